@@ -1,0 +1,18 @@
+"""pagedbackend: a paged-KV LLM engine (vLLM-style) that runs inside NVIDIA Triton."""
+from pagedbackend.config import EngineConfig
+from pagedbackend.outputs import CompletionOutput, RequestOutput
+from pagedbackend.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
+           "CompletionOutput"]
+
+
+def __getattr__(name):
+    # Heavy imports (torch, transformers) only when the engine itself is used.
+    if name == "LLM":
+        from pagedbackend.engine.llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from pagedbackend.engine.llm_engine import LLMEngine
+        return LLMEngine
+    raise AttributeError(name)

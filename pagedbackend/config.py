@@ -1,0 +1,95 @@
+"""Engine configuration: one frozen dataclass with vLLM's argument names, validated on creation.
+
+Values discovered while starting (number of KV blocks, resolved max_model_len) are not stored
+here; they live in `pagedbackend.engine.llm_engine.EngineInfo`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DEVICES = ("auto", "cpu", "cuda")
+POLICIES = ("fcfs", "priority")
+
+
+def check(ok: bool, field: str, value: Any, allowed: str) -> None:
+    """Raise the one error shape used for every bad setting: field, value, allowed range."""
+    if not ok:
+        raise ValueError(f"{field}={value!r} is invalid: must be {allowed}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    tokenizer: Optional[str] = None          # defaults to `model`
+    dtype: str = "auto"                      # auto: bfloat16 on cuda, float32 on cpu
+    device: str = "auto"                     # auto: cuda if available, else cpu
+    max_model_len: Optional[int] = None      # defaults to the model's max_position_embeddings
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: Optional[int] = None      # explicit pool size; overrides memory sizing
+    kv_cache_memory_bytes: Optional[int] = None  # CPU (or explicit) KV budget in bytes
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None  # default: 8192 (cuda) / 2048 (cpu)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = 1
+    load_format: str = "auto"
+    seed: int = 0
+    enforce_eager: bool = False
+    max_n: int = 16                          # cap on SamplingParams.n
+    distributed_backend: Optional[str] = None  # TP: nccl on cuda, gloo on cpu
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.model, str) and self.model != "", "model", self.model,
+              "a non-empty path to a model directory")
+        check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+        check(self.device in DEVICES, "device", self.device, f"one of {DEVICES}")
+        check(self.max_model_len is None or _is_int(self.max_model_len) and self.max_model_len >= 1,
+              "max_model_len", self.max_model_len, "an integer >= 1")
+        check(_is_int(self.block_size) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+              "block_size", self.block_size, "a power of two in [1, 128]")
+        check(isinstance(self.gpu_memory_utilization, (int, float))
+              and 0.0 < self.gpu_memory_utilization <= 1.0,
+              "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
+        check(self.num_kv_blocks is None or _is_int(self.num_kv_blocks) and self.num_kv_blocks >= 1,
+              "num_kv_blocks", self.num_kv_blocks, "an integer >= 1")
+        check(self.kv_cache_memory_bytes is None
+              or _is_int(self.kv_cache_memory_bytes) and self.kv_cache_memory_bytes >= 1,
+              "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "an integer >= 1")
+        check(_is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 65536,
+              "max_num_seqs", self.max_num_seqs, "an integer in [1, 65536]")
+        check(self.max_num_batched_tokens is None
+              or _is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
+              "max_num_batched_tokens", self.max_num_batched_tokens, "an integer >= 1")
+        check(self.scheduling_policy in POLICIES, "scheduling_policy", self.scheduling_policy,
+              f"one of {POLICIES}")
+        check(_is_int(self.tensor_parallel_size) and 1 <= self.tensor_parallel_size <= 64,
+              "tensor_parallel_size", self.tensor_parallel_size, "an integer in [1, 64]")
+        check(self.load_format in LOAD_FORMATS, "load_format", self.load_format,
+              f"one of {LOAD_FORMATS}")
+        check(_is_int(self.seed) and self.seed >= 0, "seed", self.seed, "an integer >= 0")
+        check(_is_int(self.max_n) and self.max_n >= 1, "max_n", self.max_n, "an integer >= 1")
+        check(self.distributed_backend in (None, "gloo", "nccl"), "distributed_backend",
+              self.distributed_backend, "None, 'gloo' or 'nccl'")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
