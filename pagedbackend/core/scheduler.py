@@ -1,0 +1,215 @@
+"""Continuous batching at token granularity.
+
+Each step spends one token budget: first on running requests (a decode costs 1 token, the rest of
+a chunked prefill costs up to the remaining budget), then on waiting requests in policy order.
+When blocks run out, the lowest-priority then newest running request is preempted by recompute:
+its blocks are freed and it goes back to the front of the waiting queue.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from pagedbackend.core.kv_cache_manager import KVCacheManager
+from pagedbackend.core.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+    start: int = 0          # request.num_computed_tokens when scheduled
+    samples: bool = False   # this step reaches the end of the known tokens: sample a new one
+
+    @classmethod
+    def of(cls, req: Request, n: int, block_ids: list[int]) -> "ScheduledRequest":
+        return cls(req, n, block_ids, req.num_computed_tokens,
+                   req.num_computed_tokens + n == req.num_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """FCFS: a list with front insertion. Priority: sorted by (priority, arrival, seq)."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self._items: list[tuple[tuple, Request]] = []
+        self._seq = itertools.count()
+
+    def push(self, req: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            # A preempted request keeps its (priority, arrival): it lands before newer equals.
+            key = (req.priority, req.arrival_time, next(self._seq))
+            bisect.insort(self._items, (key, req), key=lambda kv: kv[0])
+        elif front:
+            self._items.insert(0, ((), req))
+        else:
+            self._items.append(((), req))
+
+    def peek(self) -> Request:
+        return self._items[0][1]
+
+    def pop(self) -> Request:
+        return self._items.pop(0)[1]
+
+    def remove(self, req: Request) -> None:
+        self._items = [(k, r) for k, r in self._items if r is not req]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return (r for _, r in self._items)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs"):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy
+        self.waiting = WaitingQueue(policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id={req.request_id!r} is invalid: must be unique "
+                             "among unfinished requests")
+        self.requests[req.request_id] = req
+        self.waiting.push(req)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (e.g. abort, or stop-string hit) requests; frees their blocks at once."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self.kv.free(req)
+            done.append(req)
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, n) is None:
+                victim = self._pick_victim()
+                vi = self.running.index(victim)
+                self._preempt(victim)
+                out.preempted_req_ids.append(victim.request_id)
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id).num_new_tokens
+                if vi < i:
+                    i -= 1
+                if victim is req:
+                    break
+            else:
+                scheduled[req.request_id] = ScheduledRequest.of(req, n, self.kv.block_ids(req.request_id))
+                budget -= n
+                i += 1
+
+        # New admissions only when nothing had to be preempted this step.
+        while (not out.preempted_req_ids and len(self.waiting) and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting.peek()
+            computed, num_cached = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - num_cached
+            if n > budget and not self.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if self.kv.allocate_slots(req, n, computed) is None:
+                break
+            self.waiting.pop()
+            self.kv.record_prefix_lookup(req.num_tokens, num_cached)
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = ScheduledRequest.of(req, n, self.kv.block_ids(req.request_id))
+            budget -= n
+
+        out.scheduled = list(scheduled.values())
+        return out
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return max(self.running, key=lambda r: r.arrival_time)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(req, front=True)
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, int]) -> tuple[list[Request], list[Request]]:
+        """Advance scheduled requests; append sampled tokens and apply token stop rules.
+
+        Returns (requests that got a new token, requests that finished this step).
+        """
+        progressed, finished = [], []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished or req.request_id not in self.requests:
+                continue
+            req.num_computed_tokens += s.num_new_tokens
+            tok: Optional[int] = sampled.get(req.request_id) if s.samples else None
+            if tok is None:
+                continue
+            req.append_token(tok)
+            progressed.append(req)
+            status = req.check_stop()
+            if status is not None:
+                finished.extend(self.finish_requests([req.request_id], status))
+        return progressed, finished
