@@ -1,0 +1,172 @@
+"""LLMEngine: requests in, one scheduling + model step at a time, RequestOutputs (with deltas) out.
+
+Single-threaded by design: whoever drives the engine (LLM.generate, the Triton engine model's
+loop thread) calls add_request/step/abort from one thread.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+from pagedbackend.config import EngineConfig, check
+from pagedbackend.core.kv_cache_manager import KVCacheManager
+from pagedbackend.core.request import Request, RequestStatus
+from pagedbackend.core.scheduler import Scheduler
+from pagedbackend.engine.output_processor import OutputProcessor
+from pagedbackend.engine.model_files import EngineInfo, load_model_files
+from pagedbackend.outputs import RequestOutput
+from pagedbackend.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedbackend")
+
+PromptType = Union[str, Sequence[int], dict]
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_kv_blocks: int
+    num_used_blocks: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from pagedbackend.worker import make_runner  # torch lives below this line
+
+        self.config = config
+        files = load_model_files(config)
+        self.tokenizer = files.tokenizer
+        self.runner = make_runner(config, files)
+        info = files.info
+        num_blocks = self.runner.num_kv_blocks
+        blocks_needed = -(-info.max_model_len // config.block_size)
+        if num_blocks < blocks_needed:
+            self.runner.shutdown()
+            raise ValueError(
+                f"max_model_len={info.max_model_len} needs {blocks_needed} KV blocks of "
+                f"{config.block_size} tokens but only {num_blocks} fit: lower max_model_len, "
+                "raise gpu_memory_utilization / num_kv_blocks / kv_cache_memory_bytes, "
+                "or use more GPUs (tensor_parallel_size)")
+        self.info = info.with_blocks(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens); max concurrency at "
+                    "max_model_len=%d: %.1fx", num_blocks, config.block_size,
+                    num_blocks * config.block_size, info.max_model_len,
+                    num_blocks / blocks_needed)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, info.max_num_batched_tokens,
+                                   config.enable_chunked_prefill, config.scheduling_policy)
+        self.outputs = OutputProcessor(self.tokenizer)
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
+                    priority: int = 0, cache_salt: Optional[str] = None,
+                    detokenize: bool = True, arrival_time: Optional[float] = None) -> None:
+        """Validate and queue a request; raises ValueError naming the bad field."""
+        params = params or SamplingParams()
+        check(isinstance(request_id, str) and request_id != "", "request_id", request_id,
+              "a non-empty string")
+        check(not self.outputs.has(request_id), "request_id", request_id,
+              "unique among unfinished requests")
+        check(isinstance(priority, int) and not isinstance(priority, bool), "priority", priority,
+              "an integer")
+        check(cache_salt is None or isinstance(cache_salt, str), "cache_salt", cache_salt,
+              "a string")
+        check(params.n <= self.config.max_n, "n", params.n, f"an integer in [1, {self.config.max_n}]")
+        prompt_text, ids = self._tokenize(prompt)
+        info = self.info
+        check(len(ids) < info.max_model_len, "prompt", f"<{len(ids)} tokens>",
+              f"at most {info.max_model_len - 1} tokens (max_model_len={info.max_model_len})")
+        room = info.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        check(max_tokens <= room, "max_tokens", params.max_tokens,
+              f"at most {room} for this {len(ids)}-token prompt "
+              f"(prompt + max_tokens <= max_model_len={info.max_model_len})")
+        if not self.config.enable_chunked_prefill:
+            check(len(ids) <= info.max_num_batched_tokens, "prompt", f"<{len(ids)} tokens>",
+                  f"at most max_num_batched_tokens={info.max_num_batched_tokens} tokens "
+                  "when chunked prefill is off")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop=[...] is invalid: must be empty for a model without a tokenizer")
+        now = time.monotonic() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                child_params = params.clone(n=1, seed=seed)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(child_id, ids, child_params, max_tokens, info.eos_token_ids,
+                                    now, priority, cache_salt, info.max_model_len))
+        self.outputs.add(request_id, prompt_text, ids, params, children,
+                         detokenize=detokenize and self.tokenizer is not None, arrival_time=now)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            else:
+                prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            check(prompt != "", "prompt", prompt, "a non-empty string")
+            check(self.tokenizer is not None, "prompt", "<text>",
+                  "token ids (this model has no tokenizer)")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            check(len(ids) > 0, "prompt", prompt, "text that tokenizes to at least one token")
+            return prompt, ids
+        ids = list(prompt)
+        check(len(ids) > 0, "prompt_token_ids", ids, "a non-empty list of token ids")
+        vocab = self.info.vocab_size
+        for t in ids:
+            check(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab,
+                  "prompt_token_ids", t, f"token ids in [0, {vocab})")
+        return None, ids
+
+    def abort(self, request_id: Union[str, Sequence[str]]) -> None:
+        """Stop requests now and free their blocks; their final output comes with the next step()."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            children = self.outputs.child_ids(rid)
+            finished = self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            self.runner.release([r.request_id for r in finished])
+            self.outputs.on_finished(finished)
+
+    def has_unfinished(self) -> bool:
+        return self.outputs.has_unfinished()
+
+    # -- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        sched = self.scheduler.schedule(now)
+        if not sched.is_empty:
+            result = self.runner.execute(sched)
+            progressed, finished = self.scheduler.update_from_output(sched, result.sampled)
+            now = time.monotonic()
+            stopped = self.outputs.on_tokens(progressed, result.logprobs, now)
+            if stopped:
+                finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            self.outputs.on_finished(finished)
+            self.runner.release([r.request_id for r in finished])
+        return self.outputs.collect()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv.usage(), num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits, num_kv_blocks=self.kv.num_blocks,
+            num_used_blocks=self.kv.pool.num_used_blocks)
+
+    def check_invariants(self) -> dict[str, int]:
+        return self.kv.check_invariants(idle=not self.scheduler.has_unfinished())
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()

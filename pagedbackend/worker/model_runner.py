@@ -1,0 +1,195 @@
+"""Runs one scheduled step on one device: builds flattened inputs, runs the model, samples.
+
+The runner never sees the allocator: block ids arrive in the SchedulerOutput. It owns the
+model, the KV cache tensors, the sampler and per-request random generators.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from pagedbackend.config import EngineConfig
+from pagedbackend.core.scheduler import SchedulerOutput
+from pagedbackend.layers.attention import AttentionMetadata
+from pagedbackend.layers.sampler import Sampler, SamplingMetadata
+from pagedbackend.models import build_model, load_weights
+from pagedbackend.worker.kv_sizing import kv_bytes_per_block, num_blocks_for_device
+
+logger = logging.getLogger("pagedbackend")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RunnerResult:
+    sampled: dict[str, int]
+    # request id -> (sampled token logprob, {token id: logprob} incl. the top-k)
+    logprobs: dict[str, tuple[float, dict[int, float]]] = field(default_factory=dict)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_rows: list[int]          # indices into sched.scheduled of the rows that sample
+
+
+def make_attn_backend(device: torch.device):
+    if device.type == "cuda":
+        from pagedbackend.kernels import TritonAttentionBackend
+        return TritonAttentionBackend()
+    from pagedbackend.layers.attention import TorchAttentionBackend
+    return TorchAttentionBackend()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config: dict, device: str, dtype: str,
+                 tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None):
+        self.config = config
+        self.hf_config = hf_config
+        if device == "cuda":
+            device = f"cuda:{tp_rank if tp_size > 1 else torch.cuda.current_device()}"
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        torch.manual_seed(config.seed)
+        self.model = build_model(hf_config, self.dtype, self.device, make_attn_backend(self.device),
+                                 tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        load_weights(self.model, config.model, config.load_format)
+        self.model.eval()
+        self.sampler = Sampler()
+        self.block_size = config.block_size
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.generators: dict[str, torch.Generator] = {}
+        self.num_kv_blocks = 0
+
+    # -- KV cache ------------------------------------------------------------------------
+    def init_kv_cache(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+        per_block = kv_bytes_per_block(self.hf_config, self.block_size, self.dtype, self.tp_size)
+        num_blocks = num_blocks_for_device(
+            self.config, self.device, per_block,
+            profile=lambda: self.profile_run(max_num_batched_tokens, max_model_len))
+        self.allocate_kv_cache(num_blocks)
+        return num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        layers = int(self.hf_config["num_hidden_layers"])
+        kv_heads = self.model.num_kv_heads
+        head_dim = self.model.head_dim
+        shape = (2, layers, num_blocks, self.block_size, kv_heads, head_dim)
+        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(cache[0, i], cache[1, i]) for i in range(layers)]
+        self.num_kv_blocks = num_blocks
+
+    @torch.inference_mode()
+    def profile_run(self, max_num_batched_tokens: int, max_model_len: int) -> None:
+        """One full-budget prefill on a scratch cache, to measure the activation peak."""
+        seq = min(max_num_batched_tokens, max_model_len)
+        lens = [seq] * (max_num_batched_tokens // seq)
+        if max_num_batched_tokens % seq:
+            lens.append(max_num_batched_tokens % seq)
+        blocks_per_seq = -(-seq // self.block_size)
+        saved = self.kv_caches
+        self.allocate_kv_cache(blocks_per_seq * len(lens))
+        tokens = np.zeros(sum(lens), dtype=np.int64)
+        positions = np.concatenate([np.arange(n) for n in lens])
+        table = np.arange(blocks_per_seq * len(lens), dtype=np.int32).reshape(len(lens), -1)
+        inputs = self._build(tokens, positions, np.array(lens), np.zeros(len(lens), np.int64),
+                             table, list(range(len(lens))))
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        self.model.compute_logits(hidden[inputs.logits_indices])
+        self.kv_caches = saved
+        del hidden
+
+    # -- one step ------------------------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        rows = sched.scheduled
+        q_lens = np.fromiter((s.num_new_tokens for s in rows), np.int64, len(rows))
+        starts = np.fromiter((s.start for s in rows), np.int64, len(rows))
+        tokens = np.fromiter((t for s in rows
+                              for t in s.request.all_token_ids[s.start:s.start + s.num_new_tokens]),
+                             np.int64, int(q_lens.sum()))
+        cu = np.concatenate([[0], np.cumsum(q_lens)])
+        positions = np.arange(len(tokens)) - np.repeat(cu[:-1] - starts, q_lens)
+        bs = self.block_size
+        n_blocks = [-(-(st + q) // bs) for st, q in zip(starts.tolist(), q_lens.tolist())]
+        table = np.zeros((len(rows), max(n_blocks)), dtype=np.int32)
+        for i, (s, nb) in enumerate(zip(rows, n_blocks)):
+            table[i, :nb] = s.block_ids[:nb]
+        sample_rows = [i for i, s in enumerate(rows) if s.samples]
+        return self._build(tokens, positions, q_lens, starts, table, sample_rows)
+
+    def _build(self, tokens, positions, q_lens, starts, table, sample_rows) -> StepInputs:
+        bs = self.block_size
+        cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        seq_lens = (starts + q_lens).astype(np.int32)
+        row_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+        slots = table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        dev = self.device
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
+        meta = AttentionMetadata(
+            slot_mapping=t(slots), query_start_loc=t(cu), seq_lens=t(seq_lens),
+            block_tables=t(table), max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()), query_lens_cpu=q_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist())
+        logits_idx = cu[1:][sample_rows] - 1
+        return StepInputs(t(tokens), t(positions.astype(np.int64)), meta,
+                          t(logits_idx.astype(np.int64)), sample_rows)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerResult:
+        inputs = self.prepare(sched)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        if not inputs.sample_rows:
+            return RunnerResult({})
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        reqs = [sched.scheduled[i].request for i in inputs.sample_rows]
+        smeta = SamplingMetadata.build(
+            params=[r.sampling_params for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids for r in reqs],
+            generators=[self._generator(r) for r in reqs],
+            min_tokens_stop_ids=[self._min_tokens_stop_ids(r) for r in reqs],
+            vocab_size=logits.shape[-1], device=self.device)
+        out = self.sampler(logits, smeta)
+        ids = out.sampled_token_ids.tolist()
+        result = RunnerResult({r.request_id: t for r, t in zip(reqs, ids)})
+        if out.logprobs is not None:
+            for r, tok, entry in zip(reqs, ids, out.logprobs.tolists()):
+                if entry is not None:
+                    result.logprobs[r.request_id] = (entry[tok], entry)
+        return result
+
+    def _generator(self, req) -> Optional[torch.Generator]:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        g = self.generators.get(req.request_id)
+        if g is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(seed)
+            self.generators[req.request_id] = g
+        return g
+
+    @staticmethod
+    def _min_tokens_stop_ids(req) -> list[int]:
+        p = req.sampling_params
+        if req.num_output_tokens >= p.min_tokens:
+            return []
+        ids = list(p.stop_token_ids)
+        if not p.ignore_eos:
+            ids += list(req.eos_token_ids)
+        return ids
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.generators.pop(rid, None)
+
+    def shutdown(self) -> None:
+        self.kv_caches = []
