@@ -1,0 +1,174 @@
+"""The FastAPI app: OpenAI's routes, API-key auth, body limits and OpenAI-shaped errors.
+
+`create_app(backend, ...)` takes any `Backend` (backend.py), so unit tests run the whole HTTP
+surface against a fake one and the real server hands in `TritonBackend`.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from importlib import metadata
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from client.openai_gateway.backend import Backend
+from client.openai_gateway.errors import APIError
+from client.openai_gateway.prompts import PromptRenderer
+from client.openai_gateway.protocol import parse_chat, parse_completion, unknown_model
+from client.openai_gateway.serving import Generation
+
+log = logging.getLogger("openai_gateway")
+PUBLIC_PATHS = ("/health",)
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+def create_app(backend: Backend, served_names: list[str], api_key: Optional[str] = None,
+               renderer: Optional[PromptRenderer] = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="pagedbackend OpenAI gateway", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    renderer = renderer or PromptRenderer(None)
+    created = int(time.time())
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, key=api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        err = APIError(e.status_code, str(e.detail), type_="invalid_request_error")
+        return JSONResponse(err.body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        err = APIError(500, "internal server error", type_="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if await backend.ready():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "not ready"}, status_code=503, headers={"Retry-After": "5"})
+
+    @app.get("/version")
+    async def version() -> dict:
+        try:
+            triton = await backend.version()
+        except Exception:  # noqa: BLE001 - the gateway's own version is still worth answering
+            triton = None
+        return {"version": _own_version(), "triton_version": triton}
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "pagedbackend",
+                "root": served_names[0], "parent": None}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card(n) for n in served_names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict:
+        if name not in served_names:
+            raise unknown_model(name)
+        return model_card(name)
+
+    async def generate(request: Request, parse):
+        body = await read_json(request, max_body_bytes)
+        req = parse(body, served_names[0])
+        if req.model not in served_names:
+            raise unknown_model(req.model)
+        gen = Generation(backend, req, renderer.prompts(req), req.model)
+        if not req.stream:
+            return JSONResponse(await until_disconnect(request, gen.response(), gen))
+        await until_disconnect(request, gen.start(), gen)
+        # Starlette cancels this generator when the client disconnects; closing it cancels every
+        # Triton stream of the request.
+        return StreamingResponse(gen.sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, parse_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, parse_chat)
+
+    return app
+
+
+async def read_json(request: Request, limit: int):
+    """The body as JSON: 413 past `limit` bytes (declared or streamed), 400 if it is not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    buf = bytearray()
+    async for part in request.stream():
+        buf += part
+        if len(buf) > limit:
+            raise _too_large(limit)
+    try:
+        return json.loads(buf)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}",
+                       code="invalid_json") from None
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes",
+                    code="request_too_large")
+
+
+async def until_disconnect(request: Request, coro, gen: Generation, poll_s: float = 0.25):
+    """Run `coro`; if the client goes away first, cancel it and every Triton stream of `gen`."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError(499, "client closed the request", code="client_closed")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await gen.close()
+
+
+class ApiKeyMiddleware:
+    """Bearer-token check on every route but /health; constant-time; 401 says nothing more."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self._key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        given = b""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                given = value[7:].strip()
+        if not hmac.compare_digest(given, self._key):
+            err = APIError(401, "Unauthorized", type_="authentication_error",
+                           code="invalid_api_key")
+            resp = JSONResponse(err.body(), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+            return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _own_version() -> str:
+    try:
+        return metadata.version("pagedbackend")
+    except metadata.PackageNotFoundError:
+        return "unknown"

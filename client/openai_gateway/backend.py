@@ -1,0 +1,49 @@
+"""What the gateway needs from an inference server: `ready`, `version`, and `generate`, an async
+iterator of `Chunk`s that is cancelled by closing it. `TritonBackend` (triton_backend.py) is the
+real one; tests inject a fake with the same three members."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional, Protocol
+
+
+class BackendError(Exception):
+    """The server refused or failed a request; `message` is its text, mapped by errors.from_triton."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list = field(default_factory=list)          # [(token, logprob), ...], best first
+
+
+@dataclass
+class BackendRequest:
+    request_id: str
+    prompt: str
+    params: dict                                     # SamplingParams fields (vLLM names)
+    stream: bool
+    priority: int = 0
+    cache_salt: Optional[str] = None
+
+
+@dataclass
+class Chunk:
+    text: str                                        # the new text (whole text when not streaming)
+    finish_reason: Optional[str] = None              # set on the last chunk
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0                       # cumulative for the request
+    logprobs: Optional[list] = None                  # TokenLogprob per new token, when asked
+
+
+class Backend(Protocol):
+    async def ready(self) -> bool: ...
+
+    async def version(self) -> str: ...
+
+    def generate(self, request: BackendRequest) -> AsyncIterator[Chunk]: ...

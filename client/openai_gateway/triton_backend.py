@@ -1,0 +1,186 @@
+"""The gateway's Triton side: one gRPC bidirectional stream per choice, with tritonclient's asyncio
+API, against the `ensemble` model's client tensors (docs/DESIGN.md, "Triton tensors").
+
+Tensor shapes and which inputs exist are read from the model's config once, so a leading batch
+dimension (max_batch_size > 0) or a missing optional tensor needs no change here: a sampling field
+without its own tensor travels in the `sampling_parameters` JSON instead.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import AsyncIterator, Optional
+
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from client.openai_gateway.backend import BackendError, BackendRequest, Chunk, TokenLogprob
+
+# SamplingParams field → ensemble tensor, with the tensor's datatype.
+_TENSORS = {
+    "max_tokens": ("max_tokens", "INT32"), "temperature": ("temperature", "FP32"),
+    "top_p": ("top_p", "FP32"), "top_k": ("top_k", "INT32"), "min_p": ("min_p", "FP32"),
+    "repetition_penalty": ("repetition_penalty", "FP32"),
+    "presence_penalty": ("presence_penalty", "FP32"),
+    "frequency_penalty": ("frequency_penalty", "FP32"), "seed": ("seed", "UINT64"),
+    "min_tokens": ("min_tokens", "INT32"), "ignore_eos": ("ignore_eos", "BOOL"),
+    "stop": ("stop_words", "BYTES"),
+}
+_NUMPY = {"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_,
+          "BYTES": np.object_}
+
+
+class TritonBackend:
+    def __init__(self, url: str, model: str = "ensemble") -> None:
+        self.url, self.model = url, model
+        self._client: Optional[grpcclient.InferenceServerClient] = None
+        self._inputs: Optional[set] = None      # input names of the model, read once
+        self._batched = False
+
+    def _grpc(self) -> grpcclient.InferenceServerClient:
+        # Created on first use, inside the server's event loop, which the gRPC channel binds to.
+        if self._client is None:
+            self._client = grpcclient.InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def ready(self) -> bool:
+        try:
+            c = self._grpc()
+            return bool(await c.is_server_ready() and await c.is_model_ready(self.model))
+        except Exception:  # noqa: BLE001 - any failure to answer means "not ready"
+            return False
+
+    async def version(self) -> str:
+        meta = await self._grpc().get_server_metadata(as_json=True)
+        return str(meta.get("version", ""))
+
+    async def _model_inputs(self) -> set:
+        if self._inputs is None:
+            try:
+                cfg = (await self._grpc().get_model_config(self.model, as_json=True))["config"]
+            except InferenceServerException as e:
+                raise BackendError(f"unavailable: {e.message()}") from None
+            self._batched = int(cfg.get("max_batch_size", 0)) > 0
+            self._inputs = {i["name"] for i in cfg.get("input", [])}
+        return self._inputs
+
+    def _tensor(self, name: str, dtype: str, values: list) -> grpcclient.InferInput:
+        arr = np.array(values, dtype=_NUMPY[dtype])
+        if dtype == "BYTES":
+            arr = np.array([v.encode() for v in values], dtype=np.object_)
+        if self._batched:
+            arr = arr.reshape(1, -1)
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        return t
+
+    async def _request(self, req: BackendRequest) -> dict:
+        names = await self._model_inputs()
+        inputs = [self._tensor("text_input", "BYTES", [req.prompt]),
+                  self._tensor("stream", "BOOL", [req.stream]),
+                  self._tensor("exclude_input_in_output", "BOOL", [True])]
+        extra = {}
+        for field, value in req.params.items():
+            tensor = _TENSORS.get(field)
+            if value is None or value == [] or tensor is None or tensor[0] not in names:
+                if value is not None and value != []:
+                    extra[field] = value
+                elif field == "max_tokens":
+                    extra[field] = None       # up to the context, said explicitly
+                continue
+            inputs.append(self._tensor(tensor[0], tensor[1],
+                                       value if isinstance(value, list) else [value]))
+        if req.priority:
+            inputs.append(self._tensor("priority", "INT32", [req.priority]))
+        if req.cache_salt:
+            inputs.append(self._tensor("cache_salt", "BYTES", [req.cache_salt]))
+        if extra:
+            inputs.append(self._tensor("sampling_parameters", "BYTES", [json.dumps(extra)]))
+        return {"model_name": self.model, "inputs": inputs, "request_id": req.request_id,
+                "parameters": {"triton_enable_empty_final_response": True}}
+
+    async def generate(self, req: BackendRequest) -> AsyncIterator[Chunk]:
+        request = await self._request(req)
+
+        async def one_request():
+            yield request
+
+        stream = self._grpc().stream_infer(one_request())
+        final = False
+        try:
+            async for result, error in stream:
+                if error is not None:
+                    raise BackendError(error.message() if hasattr(error, "message")
+                                       else str(error))
+                final = _is_final(result)
+                chunk = _chunk(result)
+                if chunk is not None:
+                    yield chunk
+                if final:
+                    return
+        except InferenceServerException as e:
+            raise BackendError(e.message()) from None
+        except asyncio.CancelledError:
+            raise
+        except BackendError:
+            raise
+        except Exception as e:  # noqa: BLE001 - gRPC transport errors (server gone, refused)
+            raise BackendError(f"unavailable: {getattr(e, 'details', lambda: str(e))()}") from None
+        finally:
+            if not final:
+                # The client went away (or we failed): cancelling the gRPC call makes Triton cancel
+                # the request, and the engine aborts it and frees its KV blocks.
+                stream.cancel()
+
+
+def _is_final(result) -> bool:
+    params = result.get_response().parameters
+    return "triton_final_response" in params and params["triton_final_response"].bool_param
+
+
+def _chunk(result) -> Optional[Chunk]:
+    """One Triton response → Chunk; None for the empty final response."""
+    text = result.as_numpy("text_output")
+    if text is None:
+        return None
+    finish = _scalar(result, "finish_reason")
+    lp = _scalar(result, "logprobs")
+    return Chunk(text="".join(_str(t) for t in np.ravel(text)),
+                 finish_reason=finish or None,
+                 num_input_tokens=int(_scalar(result, "num_input_tokens") or 0),
+                 num_output_tokens=int(_scalar(result, "num_output_tokens") or 0),
+                 logprobs=parse_logprobs(lp) if lp else None)
+
+
+def _scalar(result, name: str):
+    arr = result.as_numpy(name)
+    if arr is None or arr.size == 0:
+        return None
+    v = np.ravel(arr)[0]
+    return _str(v) if isinstance(v, (bytes, np.bytes_, str)) else v
+
+
+def _str(v) -> str:
+    return v.decode("utf-8", errors="replace") if isinstance(v, (bytes, np.bytes_)) else str(v)
+
+
+def parse_logprobs(text: str) -> list[TokenLogprob]:
+    """The `logprobs` output, JSON, one entry per new token: {"token", "logprob",
+    "top_logprobs": [[token, logprob], ...]} (also accepted: vLLM's {token_id: {"logprob",
+    "decoded_token"}} maps, sampled token first)."""
+    out = []
+    for e in json.loads(text):
+        if "logprob" in e:
+            top = [(str(t), float(lp)) for t, lp in e.get("top_logprobs") or []]
+            out.append(TokenLogprob(str(e.get("token", "")), float(e["logprob"]), top))
+        else:
+            items = [(v.get("decoded_token", k), float(v["logprob"])) for k, v in e.items()]
+            ranked = sorted(items, key=lambda x: -x[1])
+            out.append(TokenLogprob(items[0][0], items[0][1], ranked))
+    return out

@@ -1,0 +1,471 @@
+"""The gateway's HTTP surface against a fake backend: parameter mapping, validation → status,
+SSE framing, auth, error shapes, disconnects. Fast; no Triton."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from client.openai_gateway import create_app
+from client.openai_gateway.__main__ import build_app, parse_args
+from client.openai_gateway.backend import BackendError, Chunk, TokenLogprob
+from client.openai_gateway.errors import from_triton
+from client.openai_gateway.prompts import PromptRenderer
+from client.openai_gateway.triton_backend import TritonBackend, parse_logprobs
+
+KEY = "sk-test-0123456789"
+
+ANSWER = "Paris est la capitale — 東京 🚀."
+
+
+class FakeTokenizer:
+    def __len__(self) -> int:
+        return 1000
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kw):
+        text = "".join(f"<{m['role']}>{m['content']}</s>" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def decode(self, ids, **kw):
+        return " ".join(f"t{i}" for i in ids)
+
+
+class FakeBackend:
+    """Answers ANSWER (or `self.answer`) word by word; `self.fail` raises a Triton error text,
+    `self.fail_after` does so mid-stream; records requests and which streams were closed early."""
+
+    def __init__(self) -> None:
+        self.requests, self.closed, self.finished = [], [], []
+        self.is_ready, self.answer, self.fail, self.fail_after = True, ANSWER, None, None
+        self.delay = 0.0
+
+    async def ready(self) -> bool:
+        return self.is_ready
+
+    async def version(self) -> str:
+        return "2.51.0"
+
+    async def generate(self, req):
+        self.requests.append(req)
+        done = False
+        try:
+            if self.fail:
+                raise BackendError(self.fail)
+            words = self.answer.split(" ")
+            pieces = [w if i == 0 else " " + w for i, w in enumerate(words)]
+            n_in = len(req.prompt.split())
+            max_tokens = req.params.get("max_tokens") or len(pieces)
+            pieces = pieces[:max_tokens]
+            finish = "length" if len(pieces) < len(words) else "stop"
+            lp = req.params.get("logprobs")
+
+            def logprobs(ps):
+                if lp is None:
+                    return None
+                return [TokenLogprob(p, -0.5, [(p, -0.5), ("x", -1.5)][:max(lp, 0) or 0])
+                        for p in ps]
+
+            if not req.stream:
+                await asyncio.sleep(self.delay * len(pieces))
+                yield Chunk("".join(pieces), finish, n_in, len(pieces), logprobs(pieces))
+            else:
+                for i, p in enumerate(pieces):
+                    await asyncio.sleep(self.delay)
+                    if self.fail_after is not None and i == self.fail_after:
+                        raise BackendError("in ensemble 'ensemble', engine loop died")
+                    last = i == len(pieces) - 1
+                    yield Chunk(p, finish if last else None, n_in, i + 1, logprobs([p]))
+            done = True
+        finally:
+            (self.finished if done else self.closed).append(req.request_id)
+
+
+@pytest.fixture
+def fake():
+    return FakeBackend()
+
+
+def make(fake, **kw):
+    app = create_app(fake, ["smol", "alias"], renderer=PromptRenderer(FakeTokenizer()), **kw)
+    return TestClient(app)
+
+
+@pytest.fixture
+def client(fake):
+    return make(fake)
+
+
+def sse_events(resp):
+    """Parse an SSE body strictly: every event is one `data: ...` line then a blank line."""
+    raw = resp.text
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), raw
+    return [e[6:] for e in events]
+
+
+def chunks(resp):
+    ev = sse_events(resp)
+    assert ev[-1] == "[DONE]"
+    return [json.loads(e) for e in ev[:-1]]
+
+
+CHAT = {"model": "smol", "messages": [{"role": "user", "content": "What is the capital?"}]}
+COMP = {"model": "smol", "prompt": "The capital of France is"}
+
+
+# ---- routes --------------------------------------------------------------------------------
+def test_models_aliases_version_health(client, fake):
+    data = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["smol", "alias"]
+    assert client.get("/v1/models/alias").json()["id"] == "alias"
+    assert client.get("/v1/models/nope").status_code == 404
+    assert client.get("/version").json()["triton_version"] == "2.51.0"
+    assert client.get("/health").status_code == 200
+    fake.is_ready = False
+    r = client.get("/health")
+    assert r.status_code == 503 and r.headers["Retry-After"]
+
+
+def test_completion_non_streaming(client, fake):
+    r = client.post("/v1/completions", json={**COMP, "max_tokens": 50, "temperature": 0})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == "smol"
+    assert body["choices"][0]["text"] == ANSWER
+    assert body["choices"][0]["finish_reason"] == "stop"
+    n_out = len(ANSWER.split(" "))
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": n_out,
+                             "total_tokens": 5 + n_out}
+    req = fake.requests[0]
+    assert req.prompt == COMP["prompt"] and req.stream is False
+    assert req.params["max_tokens"] == 50 and req.params["temperature"] == 0
+
+
+def test_alias_answers_with_its_own_name(client):
+    assert client.post("/v1/completions", json={**COMP, "model": "alias"}).json()["model"] == "alias"
+
+
+def test_parameter_mapping_incl_vllm_extras(client, fake):
+    body = {**COMP, "max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "stop": "\n",
+            "seed": 42, "presence_penalty": 0.5, "frequency_penalty": -0.5, "top_k": 20,
+            "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True,
+            "priority": 3, "cache_salt": "tenant-a", "user": "u1", "unknown_field": {"x": 1},
+            "logit_bias": {"1": 2}}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    req = fake.requests[0]
+    assert req.params == {"max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "stop": ["\n"],
+                          "seed": 42, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+                          "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+                          "min_tokens": 2, "ignore_eos": True, "logprobs": None}
+    assert req.priority == 3 and req.cache_salt == "tenant-a"
+
+
+def test_max_completion_tokens_wins_and_chat_defaults_to_context(client, fake):
+    client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3, "max_completion_tokens": 4})
+    client.post("/v1/chat/completions", json=CHAT)
+    client.post("/v1/completions", json=COMP)
+    assert [r.params["max_tokens"] for r in fake.requests] == [4, None, 16]
+
+
+def test_n_fans_out_with_derived_seeds(client, fake):
+    r = client.post("/v1/completions", json={**COMP, "n": 3, "seed": 7}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert [q.params["seed"] for q in fake.requests] == [7, 8, 9]
+    assert r["usage"]["prompt_tokens"] == 5          # the prompt counts once
+    assert r["usage"]["completion_tokens"] == 3 * len(ANSWER.split(" "))
+    fake.requests.clear()
+    client.post("/v1/chat/completions", json={**CHAT, "n": 2, "temperature": 1.0})
+    seeds = [q.params["seed"] for q in fake.requests]
+    assert len(set(seeds)) == 2
+
+
+def test_prompt_batch_and_token_ids(client, fake):
+    r = client.post("/v1/completions", json={**COMP, "prompt": ["a b", "c"], "n": 2}).json()
+    assert len(r["choices"]) == 4
+    assert r["usage"]["prompt_tokens"] == 3
+    client.post("/v1/completions", json={**COMP, "prompt": [1, 2, 3]})
+    assert fake.requests[-1].prompt == "t1 t2 t3"
+
+
+def test_chat_template_and_content_parts(client, fake):
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                         {"type": "text", "text": "there"}]}]
+    r = client.post("/v1/chat/completions", json={"model": "smol", "messages": msgs})
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": ANSWER}
+    assert fake.requests[0].prompt == "<system>Be brief.</s><user>Hi there</s><assistant>"
+    client.post("/v1/chat/completions", json={**CHAT, "add_generation_prompt": False})
+    assert not fake.requests[-1].prompt.endswith("<assistant>")
+
+
+def test_echo(client):
+    r = client.post("/v1/completions", json={**COMP, "echo": True}).json()
+    assert r["choices"][0]["text"] == COMP["prompt"] + ANSWER
+    s = client.post("/v1/completions", json={**COMP, "echo": True, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks(s)) == COMP["prompt"] + ANSWER
+
+
+# ---- streaming -----------------------------------------------------------------------------
+def test_chat_stream_framing_and_concat(client):
+    r = client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    cs = chunks(r)
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == cs[0]["id"] for c in cs)
+    assert cs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in cs)
+    assert text == ANSWER
+    assert cs[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all("usage" not in c for c in cs)
+    non_stream = client.post("/v1/chat/completions", json=CHAT).json()
+    assert non_stream["choices"][0]["message"]["content"] == text
+
+
+def test_stream_include_usage(client):
+    r = client.post("/v1/completions", json={**COMP, "stream": True, "n": 2,
+                                              "stream_options": {"include_usage": True}})
+    cs = chunks(r)
+    assert cs[-1]["choices"] == [] and cs[-1]["usage"]["completion_tokens"] == \
+        2 * len(ANSWER.split(" "))
+    assert all(c["usage"] is None for c in cs[:-1])
+    for i in (0, 1):
+        assert "".join(c["choices"][0]["text"] for c in cs[:-1]
+                       if c["choices"][0]["index"] == i) == ANSWER
+
+
+def test_stream_error_before_first_token_gets_status(client, fake):
+    fake.fail = "in ensemble 'ensemble', max_tokens=99999 is invalid: must be <= 2048 - prompt"
+    r = client.post("/v1/completions", json={**COMP, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_stream_error_mid_stream(client, fake):
+    fake.fail_after = 2
+    r = client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    ev = sse_events(r)
+    err = json.loads(ev[-2])
+    assert err["error"]["code"] == "model_not_ready" and ev[-1] == "[DONE]"
+
+
+def test_logprobs_shapes(client):
+    r = client.post("/v1/chat/completions",
+                    json={**CHAT, "logprobs": True, "top_logprobs": 2}).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert content[0]["token"] == "Paris" and content[0]["bytes"] == list(b"Paris")
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["Paris", "x"]
+    r = client.post("/v1/completions", json={**COMP, "logprobs": 1, "echo": True}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert lp["tokens"][0] == "Paris" and lp["text_offset"][0] == len(COMP["prompt"])
+    assert lp["top_logprobs"][0] == {"Paris": -0.5}
+    assert client.post("/v1/completions", json=COMP).json()["choices"][0]["logprobs"] is None
+
+
+# ---- errors --------------------------------------------------------------------------------
+BAD = [
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", {"model": "smol"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "smol", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "smol", "messages": [{"role": "robot", "content": "x"}]},
+     400, "messages[0].role"),
+    ("/v1/completions", {"model": "smol", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "smol"}, 400, "prompt"),
+    ("/v1/completions", {**COMP, "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {**COMP, "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {**COMP, "temperature": "hot"}, 400, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {**COMP, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {**COMP, "max_tokens": 10**9}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -5}, 400,
+     "max_completion_tokens"),
+    ("/v1/completions", {**COMP, "n": 0}, 400, "n"),
+    ("/v1/completions", {**COMP, "n": 10**6}, 400, "n"),
+    ("/v1/completions", {**COMP, "logprobs": 50}, 400, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/completions", {**COMP, "stop": 5}, 400, "stop"),
+    ("/v1/completions", {**COMP, "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {**COMP, "seed": -1}, 400, "seed"),
+    ("/v1/completions", {**COMP, "priority": 1.5}, 400, "priority"),
+    ("/v1/completions", [1, 2], 400, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+def test_bad_requests(client, fake, path, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = client.post(path, **kw, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    if param:
+        assert param.split("[")[0] in err["message"]
+    assert not fake.requests                   # refused before reaching Triton
+    assert client.post("/v1/completions", json=COMP).status_code == 200
+
+
+@pytest.mark.parametrize("message,status,param", [
+    ("in ensemble 'ensemble', prompt_token_ids=[...] is invalid: must be at most 2048 tokens "
+     "(max_model_len)", 400, "prompt"),
+    ("text_input=4000 tokens is invalid: must be <= 2048", 400, "prompt"),
+    ("max_tokens=30000 is invalid: must be <= 2043 (max_model_len - prompt tokens)", 400,
+     "max_tokens"),
+    ("Exceeds maximum queue size", 429, None),
+    ("in ensemble 'ensemble', Request for unknown model: 'engine' is not ready", 503, None),
+    ("unavailable: failed to connect to all addresses", 503, None),
+    ("Traceback ... /secret/path.py line 3 KeyError", 500, None),
+])
+def test_triton_errors_map_to_statuses(client, fake, message, status, param):
+    fake.fail = message
+    r = client.post("/v1/completions", json=COMP)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["param"] == param
+    if status in (429, 503):
+        assert int(r.headers["Retry-After"]) > 0
+    if status == 500:
+        assert "secret" not in r.text and "Traceback" not in r.text
+    if status == 400 and param == "prompt":
+        fake.requests.clear()
+        r = client.post("/v1/chat/completions", json=CHAT)
+        assert r.json()["error"]["param"] == "messages"
+
+
+def test_error_map_keeps_the_allowed_range():
+    e = from_triton("in ensemble 'ensemble', top_k=0 is invalid: must be -1 or >= 1")
+    assert e.status == 400 and e.message == "top_k=0 is invalid: must be -1 or >= 1"
+
+
+def test_body_too_large(fake):
+    client = make(fake, max_body_bytes=1000)
+    r = client.post("/v1/completions", json={**COMP, "prompt": "x" * 2000})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert client.post("/v1/completions", json=COMP).status_code == 200
+
+
+def test_unknown_route_is_openai_shaped(client):
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+# ---- auth ----------------------------------------------------------------------------------
+PROTECTED = [("get", "/v1/models", None), ("get", "/v1/models/smol", None), ("get", "/version", None),
+             ("post", "/v1/completions", COMP), ("post", "/v1/chat/completions", CHAT)]
+
+
+@pytest.mark.parametrize("method,path,body", PROTECTED)
+def test_auth(fake, method, path, body, caplog):
+    caplog.set_level(logging.DEBUG)
+    client = make(fake, api_key=KEY)
+    kw = {"json": body} if body else {}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                    {"Authorization": f"Basic {KEY}"}):
+        r = getattr(client, method)(path, headers=headers, **kw)
+        assert r.status_code == 401
+        assert r.json()["error"]["message"] == "Unauthorized"
+    r = getattr(client, method)(path, headers={"Authorization": f"Bearer {KEY}"}, **kw)
+    assert r.status_code == 200
+    assert client.get("/health").status_code == 200
+    assert KEY not in caplog.text
+
+
+def test_api_key_from_env(monkeypatch, caplog):
+    caplog.set_level(logging.INFO)
+    monkeypatch.setenv("PAGEDBACKEND_API_KEY", KEY)
+    app = build_app(parse_args(["--served-model-name", "a", "b"]))
+    client = TestClient(app)
+    assert client.get("/v1/models").status_code == 401
+    r = client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert [m["id"] for m in r.json()["data"]] == ["a", "b"]
+    assert KEY not in caplog.text and "api key on" in caplog.text
+
+
+# ---- disconnects ---------------------------------------------------------------------------
+async def _call_and_disconnect(app, path, body, disconnect_after_s):
+    """Drive the ASGI app by hand: send the body, then report a disconnect after a while."""
+    sent = []
+    payload = json.dumps(body).encode()
+    state = {"body_sent": False}
+    gone_at = asyncio.get_running_loop().time() + disconnect_after_s
+
+    async def receive():   # like uvicorn's: waits (cancellably) until the client is gone
+        if not state["body_sent"]:
+            state["body_sent"] = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        left = gone_at - asyncio.get_running_loop().time()
+        if left > 0:
+            await asyncio.sleep(left)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+             "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8080)}
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    return sent
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_cancels_backend_streams(fake, stream):
+    fake.delay = 0.05
+    fake.answer = " ".join(["word"] * 200)           # 10 s of output if nothing cancels it
+    app = create_app(fake, ["smol"], renderer=PromptRenderer(FakeTokenizer()))
+
+    async def go():
+        await _call_and_disconnect(app, "/v1/completions",
+                                   {**COMP, "n": 2, "stream": stream, "max_tokens": 200}, 0.3)
+        await asyncio.sleep(0.1)
+
+    asyncio.run(go())
+    assert len(fake.closed) == 2 and not fake.finished
+
+
+# ---- Triton tensors ------------------------------------------------------------------------
+def _tensors(backend, **params):
+    from client.openai_gateway.backend import BackendRequest
+    req = BackendRequest("r1", "héllo", params, stream=True, priority=2, cache_salt="s")
+    out = asyncio.run(backend._request(req))
+    return {t.name(): t for t in out["inputs"]}, out
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_triton_tensor_mapping(batched):
+    b = TritonBackend("127.0.0.1:1")
+    b._inputs = {"text_input", "stream", "exclude_input_in_output", "max_tokens", "temperature",
+                 "seed", "stop_words", "top_k", "priority", "cache_salt", "sampling_parameters"}
+    b._batched = batched
+    t, out = _tensors(b, max_tokens=5, temperature=0.5, seed=2**63 + 1, stop=["a", "b"],
+                      top_k=3, min_p=0.1, logprobs=2, ignore_eos=False)
+    lead = [1] if batched else []
+    assert t["text_input"].datatype() == "BYTES" and t["text_input"].shape() == lead + [1]
+    assert t["max_tokens"].datatype() == "INT32" and t["temperature"].datatype() == "FP32"
+    assert t["seed"].datatype() == "UINT64" and t["stop_words"].shape() == lead + [2]
+    assert t["priority"].datatype() == "INT32" and t["cache_salt"].datatype() == "BYTES"
+    assert t["stream"].datatype() == "BOOL" and t["exclude_input_in_output"].datatype() == "BOOL"
+    # min_p and ignore_eos have no tensor in this config: they travel as JSON, as logprobs does.
+    assert "min_p" not in t and "ignore_eos" not in t
+    assert out["parameters"] == {"triton_enable_empty_final_response": True}
+    raw = t["sampling_parameters"]._get_content()
+    assert b'"min_p": 0.1' in raw and b'"logprobs": 2' in raw and b'"ignore_eos": false' in raw
+    t, _ = _tensors(b, max_tokens=None)
+    assert b'"max_tokens": null' in t["sampling_parameters"]._get_content()
+
+
+def test_parse_logprobs_both_shapes():
+    a = parse_logprobs(json.dumps([{"token": "Par", "logprob": -0.1,
+                                    "top_logprobs": [["Par", -0.1], ["The", -2.0]]}]))
+    assert a[0].token == "Par" and a[0].top[1] == ("The", -2.0)
+    b = parse_logprobs(json.dumps([{"17": {"logprob": -1.0, "decoded_token": "is"},
+                                    "4": {"logprob": -0.5, "decoded_token": "was"}}]))
+    assert b[0].token == "is" and b[0].top[0] == ("was", -0.5)
+    assert np.isclose(b[0].logprob, -1.0)
