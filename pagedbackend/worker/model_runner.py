@@ -17,6 +17,7 @@ from pagedbackend.core.scheduler import SchedulerOutput
 from pagedbackend.layers.attention import AttentionMetadata
 from pagedbackend.layers.sampler import Sampler, SamplingMetadata
 from pagedbackend.models import build_model, load_weights
+from pagedbackend.worker.cuda_graph import DecodeGraphs
 from pagedbackend.worker.kv_sizing import kv_bytes_per_block, num_blocks_for_device
 
 logger = logging.getLogger("pagedbackend")
@@ -29,6 +30,33 @@ class RunnerResult:
     sampled: dict[str, int]
     # request id -> (sampled token logprob, {token id: logprob} incl. the top-k)
     logprobs: dict[str, tuple[float, dict[int, float]]] = field(default_factory=dict)
+
+
+class HostInputs:
+    """A step's flattened inputs as numpy arrays (built on the host, copied once)."""
+
+    def __init__(self, tokens, positions, q_lens, starts, table, sample_rows, block_size):
+        self.tokens, self.positions, self.q_lens, self.table = tokens, positions, q_lens, table
+        self.sample_rows = sample_rows
+        self.cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        self.seq_lens = (starts + q_lens).astype(np.int32)
+        row_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+        self.slots = (table[row_of_token, positions // block_size].astype(np.int64) * block_size
+                      + positions % block_size)
+        self.decode_only = len(tokens) == len(q_lens)
+
+
+class _OutputIds:
+    """Per-row output ids, sliced only if the sampler asks (penalties, min_tokens)."""
+
+    def __init__(self, reqs):
+        self.reqs = reqs
+
+    def __len__(self):
+        return len(self.reqs)
+
+    def __getitem__(self, i):
+        return self.reqs[i].output_token_ids
 
 
 @dataclass
@@ -68,6 +96,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.generators: dict[str, torch.Generator] = {}
         self.num_kv_blocks = 0
+        self.graphs: Optional[DecodeGraphs] = None
 
     # -- KV cache ------------------------------------------------------------------------
     def init_kv_cache(self, max_num_batched_tokens: int, max_model_len: int) -> int:
@@ -76,6 +105,10 @@ class ModelRunner:
             self.config, self.device, per_block,
             profile=lambda: self.profile_run(max_num_batched_tokens, max_model_len))
         self.allocate_kv_cache(num_blocks)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
+                                       self.config.max_num_seqs, max_model_len, self.block_size)
+            self.graphs.capture()
         return num_blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -100,15 +133,16 @@ class ModelRunner:
         tokens = np.zeros(sum(lens), dtype=np.int64)
         positions = np.concatenate([np.arange(n) for n in lens])
         table = np.arange(blocks_per_seq * len(lens), dtype=np.int32).reshape(len(lens), -1)
-        inputs = self._build(tokens, positions, np.array(lens), np.zeros(len(lens), np.int64),
-                             table, list(range(len(lens))))
+        inputs = self.to_device(HostInputs(tokens, positions, np.array(lens),
+                                           np.zeros(len(lens), np.int64), table,
+                                           list(range(len(lens))), self.block_size))
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         self.model.compute_logits(hidden[inputs.logits_indices])
         self.kv_caches = saved
         del hidden
 
     # -- one step ------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+    def prepare(self, sched: SchedulerOutput) -> HostInputs:
         rows = sched.scheduled
         q_lens = np.fromiter((s.num_new_tokens for s in rows), np.int64, len(rows))
         starts = np.fromiter((s.start for s in rows), np.int64, len(rows))
@@ -123,37 +157,42 @@ class ModelRunner:
         for i, (s, nb) in enumerate(zip(rows, n_blocks)):
             table[i, :nb] = s.block_ids[:nb]
         sample_rows = [i for i, s in enumerate(rows) if s.samples]
-        return self._build(tokens, positions, q_lens, starts, table, sample_rows)
+        return HostInputs(tokens, positions, q_lens, starts, table, sample_rows, bs)
 
-    def _build(self, tokens, positions, q_lens, starts, table, sample_rows) -> StepInputs:
-        bs = self.block_size
-        cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        seq_lens = (starts + q_lens).astype(np.int32)
-        row_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
-        slots = table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+    def to_device(self, h: HostInputs) -> StepInputs:
         dev = self.device
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
         meta = AttentionMetadata(
-            slot_mapping=t(slots), query_start_loc=t(cu), seq_lens=t(seq_lens),
-            block_tables=t(table), max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()), query_lens_cpu=q_lens.tolist(),
-            seq_lens_cpu=seq_lens.tolist())
-        logits_idx = cu[1:][sample_rows] - 1
-        return StepInputs(t(tokens), t(positions.astype(np.int64)), meta,
-                          t(logits_idx.astype(np.int64)), sample_rows)
+            slot_mapping=t(h.slots), query_start_loc=t(h.cu), seq_lens=t(h.seq_lens),
+            block_tables=t(h.table), max_query_len=int(h.q_lens.max()),
+            max_seq_len=int(h.seq_lens.max()), query_lens_cpu=h.q_lens.tolist(),
+            seq_lens_cpu=h.seq_lens.tolist())
+        logits_idx = h.cu[1:][h.sample_rows] - 1
+        return StepInputs(t(h.tokens), t(h.positions.astype(np.int64)), meta,
+                          t(logits_idx.astype(np.int64)), h.sample_rows)
+
+    def _logits(self, h: HostInputs) -> Optional[torch.Tensor]:
+        """Logits of the rows that sample: a CUDA graph replay for decode steps, else eager."""
+        if self.graphs is not None and h.decode_only and self.graphs.bucket(len(h.tokens)):
+            logits = self.graphs.run(h.tokens, h.positions, h.slots, h.seq_lens, h.table)
+            return logits if len(h.sample_rows) == len(h.tokens) else logits[h.sample_rows]
+        inputs = self.to_device(h)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        if not h.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[inputs.logits_indices])
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerResult:
-        inputs = self.prepare(sched)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
-        if not inputs.sample_rows:
+        h = self.prepare(sched)
+        logits = self._logits(h)
+        if logits is None:
             return RunnerResult({})
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        reqs = [sched.scheduled[i].request for i in inputs.sample_rows]
+        reqs = [sched.scheduled[i].request for i in h.sample_rows]
         smeta = SamplingMetadata.build(
             params=[r.sampling_params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
-            output_token_ids=[r.output_token_ids for r in reqs],
+            output_token_ids=_OutputIds(reqs),
             generators=[self._generator(r) for r in reqs],
             min_tokens_stop_ids=[self._min_tokens_stop_ids(r) for r in reqs],
             vocab_size=logits.shape[-1], device=self.device)

@@ -1,0 +1,96 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed on static buffers.
+
+A decode step (every row has one new token) is padded up to the next bucket. Padded rows write
+nowhere (slot -1) and attend over one token of block 0; their logits are ignored. The graphs
+share one memory pool and are captured largest first, after an eager warm-up.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedbackend.layers.attention import AttentionMetadata
+
+logger = logging.getLogger("pagedbackend")
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
+    out = [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
+    return sorted(set(out))
+
+
+class DecodeGraphs:
+    def __init__(self, model: Any, kv_caches: list, device: torch.device, max_num_seqs: int,
+                 max_model_len: int, block_size: int):
+        self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.buckets = batch_buckets(max_num_seqs)
+        self.max_bs = self.buckets[-1]
+        self.max_model_len = max_model_len
+        max_blocks = -(-max_model_len // block_size)
+        z = lambda *shape, dt: torch.zeros(shape, dtype=dt, device=device)
+        self.input_ids = z(self.max_bs, dt=torch.long)
+        self.positions = z(self.max_bs, dt=torch.long)
+        self.slot_mapping = z(self.max_bs, dt=torch.long)
+        self.seq_lens = z(self.max_bs, dt=torch.int32)
+        self.block_tables = z(self.max_bs, max_blocks, dt=torch.int32)
+        self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
+            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
+            max_query_len=1, max_seq_len=self.max_model_len, query_lens_cpu=[1] * bs,
+            seq_lens_cpu=[self.max_model_len] * bs)
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs),
+                            self.kv_caches)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        for bs in reversed(self.buckets):
+            self._forward(bs)                       # warm-up: autotune, scratch, allocations
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.logits[bs] = self._forward(bs)
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[bs] = g
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs),
+                    self.buckets)
+
+    def bucket(self, bs: int) -> int | None:
+        for b in self.buckets:
+            if b >= bs:
+                return b
+        return None
+
+    def run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+            seq_lens: np.ndarray, table: np.ndarray) -> torch.Tensor:
+        """Replay the graph for this batch; returns logits [bs, vocab] (a view, valid until the
+        next replay)."""
+        bs = len(tokens)
+        pb = self.bucket(bs)
+        host = lambda a: torch.from_numpy(np.ascontiguousarray(a))
+        self.input_ids[:bs].copy_(host(tokens), non_blocking=True)
+        self.positions[:bs].copy_(host(positions), non_blocking=True)
+        self.slot_mapping[:bs].copy_(host(slots), non_blocking=True)
+        self.seq_lens[:bs].copy_(host(seq_lens), non_blocking=True)
+        self.block_tables[:bs, :table.shape[1]].copy_(host(table), non_blocking=True)
+        if pb > bs:
+            self.slot_mapping[bs:pb].fill_(-1)
+            self.seq_lens[bs:pb].fill_(1)
+        self.graphs[pb].replay()
+        return self.logits[pb][:bs]
