@@ -6,6 +6,7 @@ model, the KV cache tensors, the sampler and per-request random generators.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -69,7 +70,8 @@ class StepInputs:
 
 
 def make_attn_backend(device: torch.device):
-    if device.type == "cuda":
+    # PAGEDBACKEND_ATTENTION=torch forces the reference path on a GPU (debugging, A/B timing).
+    if device.type == "cuda" and os.environ.get("PAGEDBACKEND_ATTENTION", "triton") == "triton":
         from pagedbackend.kernels import TritonAttentionBackend
         return TritonAttentionBackend()
     from pagedbackend.layers.attention import TorchAttentionBackend

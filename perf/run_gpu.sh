@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call: kernel parity at real shapes, GPU correctness, W1, W2 128/128, W3, kernels.
+# Usage on the GPU host (from the repo root): bash perf/run_gpu.sh [stages...]
+# Logs go to $OUT (or perf/logs); every stage has its own time limit so one failure or hang
+# does not cost the rest.
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-perf/logs}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+stages=${*:-"kernels correctness w1 w2 w3 bench"}
+run() {  # name seconds command...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$secs" "$@" > "$out/$name.log" 2>&1; local rc=$?
+  tail -n 25 "$out/$name.log"; echo "=== $name rc=$rc"
+}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+for s in $stages; do
+  case $s in
+    kernels) run kernels 150 python3 -m pytest -q -x tests/test_kernels.py ;;
+    correctness) run correctness 150 python3 perf/gpu_correctness.py ;;
+    w1) run w1 120 python3 perf/w1_decode.py ;;
+    w1eager) run w1eager 120 python3 perf/w1_decode.py --enforce-eager ;;
+    w2) run w2 150 python3 perf/w2_fixed.py --shapes 128-128 ;;
+    w2long) run w2long 300 python3 perf/w2_fixed.py --shapes 2048-128,128-2048 ;;
+    w3) run w3 120 python3 perf/w3_mix.py ;;
+    w5) run w5 300 python3 perf/w5_vs_transformers.py ;;
+    bench) run bench 90 python3 perf/kernels_bench.py ;;
+  esac
+done

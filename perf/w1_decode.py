@@ -1,0 +1,54 @@
+"""W1: batch-1 decode, llama-3.1-8b dummy weights: 1 request, 128 prompt / 128 output tokens.
+
+Reports output tokens/s and MBU = weight bytes read per step x decode tokens/s / 4.27 TB/s.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+from common import H200_BW, LIMITS, dummy_model_dir, print_table, timed, write_result
+
+
+def weight_bytes_per_step(model) -> int:
+    """Every parameter is read each decode step except the (untied) embedding table."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.model.embed_tokens.weight
+    tied = model.lm_head.weight is emb
+    return total if tied else total - emb.numel() * emb.element_size()
+
+
+def run(llm, model_name: str, prompt_len: int = 128, output_len: int = 128) -> dict:
+    from pagedbackend import SamplingParams
+    rng = random.Random(0)
+    prompt = {"prompt_token_ids": [rng.randrange(100, 10000) for _ in range(prompt_len)]}
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
+    outs, secs = timed(llm.generate, prompt, params)
+    out = outs[0]
+    decode_secs = secs - (out.first_token_time - out.arrival_time)
+    decode_tps = (output_len - 1) / decode_secs
+    wb = weight_bytes_per_step(llm.engine.runner.model)
+    res = {"output_tokens_per_s": output_len / secs, "decode_tokens_per_s": decode_tps,
+           "ttft_ms": (out.first_token_time - out.arrival_time) * 1e3,
+           "weight_bytes_per_step": wb, "mbu": wb * decode_tps / H200_BW,
+           "roofline_fraction": decode_tps / LIMITS["W1"]}
+    write_result("W1", model_name, res)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--enforce-eager", action="store_true")
+    a = ap.parse_args()
+    from pagedbackend import LLM
+    llm = LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
+              max_num_seqs=8, enforce_eager=a.enforce_eager)
+    res = run(llm, a.model)
+    print_table([{"workload": "W1", "model": a.model, **{k: v for k, v in res.items()
+                                                         if k != "weight_bytes_per_step"}}], "W1")
+
+
+if __name__ == "__main__":
+    main()

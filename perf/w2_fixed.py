@@ -1,0 +1,46 @@
+"""W2: fixed lengths, offline, all requests at once (ignore_eos, greedy):
+128/128 x 1024, 128/2048 x 512, 2048/128 x 512. Reports output tokens/s."""
+from __future__ import annotations
+
+import argparse
+import random
+
+from common import LIMITS, dummy_model_dir, output_tokens, print_table, timed, write_result
+
+SHAPES = {"128-128": (128, 128, 1024), "128-2048": (128, 2048, 512), "2048-128": (2048, 128, 512)}
+
+
+def run(llm, model_name: str, shape: str) -> dict:
+    from pagedbackend import SamplingParams
+    isl, osl, n = SHAPES[shape]
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 10000) for _ in range(isl)]}
+               for _ in range(n)]
+    params = SamplingParams(temperature=0, max_tokens=osl, ignore_eos=True)
+    outs, secs = timed(llm.generate, prompts, params)
+    toks = output_tokens(outs)
+    assert toks == n * osl, (toks, n * osl)
+    tps = toks / secs
+    res = {"shape": shape, "requests": n, "seconds": secs, "output_tokens_per_s": tps,
+           "total_tokens_per_s": (toks + n * isl) / secs,
+           "roofline_fraction": tps / LIMITS[f"W2-{shape}"],
+           "preemptions": llm.engine.stats().num_preemptions}
+    write_result(f"W2-{shape}", model_name, res)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--shapes", default="128-128,128-2048,2048-128")
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    a = ap.parse_args()
+    from pagedbackend import LLM
+    llm = LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
+              max_num_seqs=a.max_num_seqs)
+    rows = [run(llm, a.model, s) for s in a.shapes.split(",")]
+    print_table(rows, "W2")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""W3: the nano-vllm mix, offline: 256 requests, seed 0, prompt length and max_tokens each
+uniform in [100, 1024], token ids in [0, 10000), temperature 0.6, ignore_eos."""
+from __future__ import annotations
+
+import argparse
+import random
+
+from common import LIMITS, dummy_model_dir, output_tokens, print_table, timed, write_result
+
+
+def requests(n: int = 256, seed: int = 0):
+    from pagedbackend import SamplingParams
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for _ in range(n):
+        prompts.append({"prompt_token_ids": [rng.randrange(0, 10000)
+                                             for _ in range(rng.randint(100, 1024))]})
+        params.append(SamplingParams(temperature=0.6, ignore_eos=True,
+                                     max_tokens=rng.randint(100, 1024)))
+    return prompts, params
+
+
+def run(llm, model_name: str, workload: str = "W3") -> dict:
+    prompts, params = requests()
+    llm.generate(prompts[:4], [p.clone(max_tokens=8) for p in params[:4]])   # warm-up
+    outs, secs = timed(llm.generate, prompts, params)
+    toks = output_tokens(outs)
+    assert toks == sum(p.max_tokens for p in params)
+    tps = toks / secs
+    res = {"requests": len(prompts), "seconds": secs, "output_tokens_per_s": tps,
+           "roofline_fraction": tps / LIMITS["W3"],
+           "preemptions": llm.engine.stats().num_preemptions}
+    write_result(workload, model_name, res)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    a = ap.parse_args()
+    from pagedbackend import LLM
+    llm = LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
+              max_num_seqs=a.max_num_seqs)
+    print_table([{"workload": "W3", "model": a.model, **run(llm, a.model)}], "W3")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""W6: SmolLM2-135M-Instruct on the CPU, 16 concurrent requests of 64 prompt / 64 output tokens:
+our engine (LLM.generate) vs transformers `generate` on the same batch, in the same run."""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+
+import torch
+
+from common import ROOT, print_table, timed, write_result
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=os.path.join(ROOT, "models", "smollm2-135m-instruct"))
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--len", type=int, default=64)
+    a = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    from pagedbackend import LLM, SamplingParams
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 10000) for _ in range(a.len)] for _ in range(a.requests)]
+    hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    gen = dict(max_new_tokens=a.len, min_new_tokens=a.len, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        hf.generate(torch.tensor(prompts[:2]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        hf_out, hf_secs = timed(hf.generate, torch.tensor(prompts), **gen)
+    hf_tps = a.requests * a.len / hf_secs
+    del hf
+    llm = LLM(a.model)
+    params = SamplingParams(temperature=0, max_tokens=a.len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params.clone(max_tokens=4))
+    outs, secs = timed(llm.generate, [{"prompt_token_ids": p} for p in prompts], params)
+    tps = a.requests * a.len / secs
+    same = sum(o.outputs[0].token_ids == hf_out[i, a.len:].tolist() for i, o in enumerate(outs))
+    res = {"requests": a.requests, "prompt_len": a.len, "output_len": a.len,
+           "threads": torch.get_num_threads(), "output_tokens_per_s": tps, "seconds": secs,
+           "baseline_output_tokens_per_s": hf_tps, "baseline_seconds": hf_secs,
+           "ratio": tps / hf_tps, "greedy_outputs_equal_to_baseline": f"{same}/{a.requests}",
+           "roofline_fraction": None}
+    write_result("W6", "smollm2-135m", res)
+    print_table([{"workload": "W6", "ours_tok_s": tps, "transformers_tok_s": hf_tps,
+                  "ratio": res["ratio"], "same_output": res["greedy_outputs_equal_to_baseline"]}],
+                "W6 (CPU)")
+
+
+if __name__ == "__main__":
+    main()
