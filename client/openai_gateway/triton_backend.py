@@ -112,7 +112,7 @@ class TritonBackend:
             yield request
 
         stream = self._grpc().stream_infer(one_request())
-        final = False
+        final, num_output = False, 0
         try:
             async for result, error in stream:
                 if error is not None:
@@ -121,6 +121,9 @@ class TritonBackend:
                 final = _is_final(result)
                 chunk = _chunk(result)
                 if chunk is not None:
+                    # The engine counts the tokens of each response; clients get running totals.
+                    num_output += chunk.num_output_tokens
+                    chunk.num_output_tokens = num_output
                     yield chunk
                 if final:
                     return
