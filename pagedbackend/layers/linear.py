@@ -1,0 +1,101 @@
+"""Tensor-parallel linear layers. Column-parallel layers split output rows across ranks (several
+logical projections may be packed into one matmul, e.g. q|k|v or gate|up); row-parallel layers
+split input columns and all-reduce the partial sums. With tp_size == 1 nothing is distributed.
+
+Every parameter carries a `weight_loader(param, loaded, shard_id=None)` that takes the *full*
+checkpoint tensor (or a lazy safetensors slice) and copies in only this rank's part.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def narrow(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
+    """loaded[start:start+size] along dim; works on tensors and on lazy safetensors slices, so a
+    rank reads only its shard from disk."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, size)
+    index = [slice(None)] * dim + [slice(start, start + size)]
+    return loaded[tuple(index)]
+
+
+def materialize(loaded: Any) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+
+
+def default_weight_loader(param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
+    """Replicated parameter: the whole tensor on every rank."""
+    src = materialize(loaded)
+    if tuple(src.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor shape {tuple(src.shape)} does not match "
+                         f"parameter shape {tuple(param.shape)}")
+    param.data.copy_(src)
+
+
+def tp_all_reduce(x: torch.Tensor, tp_size: int, group) -> torch.Tensor:
+    if tp_size > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              loader=default_weight_loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+def check_divisible(what: str, value: int, tp_size: int) -> None:
+    if value % tp_size:
+        raise ValueError(f"{what}={value} is not divisible by tensor_parallel_size={tp_size}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x @ W.T (+ b) where W packs len(output_sizes) projections, each split by rows."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
+                 dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        for size in output_sizes:
+            check_divisible("output size", size, tp_size)
+        self.tp_rank = tp_rank
+        self.local_sizes = [s // tp_size for s in output_sizes]
+        self.offsets = [sum(self.local_sizes[:i]) for i in range(len(output_sizes))]
+        out = sum(self.local_sizes)
+        self.weight = new_param((out, input_size), dtype, device, self.weight_loader)
+        self.bias = new_param((out,), dtype, device, self.weight_loader) if bias else None
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: int | None = None) -> None:
+        i = shard_id or 0
+        size = self.local_sizes[i]
+        src = narrow(loaded, 0, self.tp_rank * size, size)
+        param.data.narrow(0, self.offsets[i], size).copy_(src)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard @ W_shard.T) (+ b): the input arrives already split by columns."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+        super().__init__()
+        check_divisible("input size", input_size, tp_size)
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.local_in = input_size // tp_size
+        self.weight = new_param((output_size, self.local_in), dtype, device, self.weight_loader)
+        # The bias is added once, after the reduction, so it is replicated.
+        self.bias = new_param((output_size,), dtype, device) if bias else None
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
+        param.data.copy_(narrow(loaded, 1, self.tp_rank * self.local_in, self.local_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = tp_all_reduce(F.linear(x, self.weight), self.tp_size, self.tp_group)
+        return y if self.bias is None else y + self.bias
