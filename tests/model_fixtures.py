@@ -59,7 +59,8 @@ def load_ours(model_dir, load_format: str = "auto", dtype=torch.float32, **tp):
 
 def make_meta(query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
               block_size: int) -> AttentionMetadata:
-    """Metadata for a flattened step: request i appends query_lens[i] tokens ending at seq_lens[i]."""
+    """Metadata for one flattened step: request i appends query_lens[i] tokens, ending at
+    position seq_lens[i] - 1 of its context."""
     slots = []
     for ql, sl, table in zip(query_lens, seq_lens, tables):
         slots += [table[p // block_size] * block_size + p % block_size for p in range(sl - ql, sl)]

@@ -118,8 +118,9 @@ def test_smollm2_gguf_matches_safetensors_and_transformers(smollm2, tmp_path):
         assert torch.equal(a, b), name      # same dequantized values, same Q/K row order
 
     tok = transformers.AutoTokenizer.from_pretrained(prepared)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     add_generation_prompt=True, return_dict=True)["input_ids"]
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tok.apply_chat_template(chat, add_generation_prompt=True,
+                                     return_dict=True)["input_ids"]
     seq = run_paged(ours_gguf, [prompt[:9], prompt], decode_steps=6)[1]
     answer = tok.decode(seq.tokens[len(prompt):])
     assert answer.startswith("The capital of France is Paris"), answer

@@ -94,7 +94,8 @@ def load_weights(model: nn.Module, model_dir: str, load_format: str = "auto",
                 filled.add(target)
     missing = sorted(model.required_weight_keys() - filled)
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        shown = ", ".join(missing[:5]) + more
         raise ValueError(f"the {fmt} checkpoint lacks weights for: {shown}")
 
 
