@@ -1,0 +1,100 @@
+"""Triton `engine` model: one decoupled instance embedding pagedbackend's LLMEngine.
+
+Threading model (the code lives in pagedbackend/serving/engine_loop.py):
+- execute() runs on Triton's thread; it parses each request (pagedbackend.serving.request) and
+  only enqueues it for the loop (or a parse error for the sender), then returns None.
+- One loop thread owns the engine: it alone calls add_request / step / abort / stats.
+- One sender thread is the only place that calls response_sender.send(); every request gets
+  exactly one response flagged FINAL (data piggy-backed, or an error), also on error and cancel.
+- One watcher thread polls response_sender.is_cancelled() (stub IPC) off the loop; the loop
+  aborts cancelled requests before its next step, which frees their KV blocks at once.
+- One metrics thread publishes vLLM-named metrics through pb_utils.MetricFamily.
+Nothing else is shared; the only lock guards the open-request table read by the watcher.
+"""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+ROOT = Path(__file__).resolve().parents[3]      # this checkout, when pagedbackend isn't installed
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from pagedbackend.serving.engine_loop import EngineLoop, Outgoing  # noqa: E402
+from pagedbackend.serving.metrics import ServingMetrics  # noqa: E402
+from pagedbackend.serving.request import (RequestError, check_single_batch,  # noqa: E402
+                                          parse_request)
+from pagedbackend.serving.settings import engine_config, parameters_of  # noqa: E402
+
+ERROR_CODES = {"invalid": "INVALID_ARG", "cancelled": "CANCELLED", "unavailable": "UNAVAILABLE",
+               "internal": "INTERNAL"}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from pagedbackend.engine.llm_engine import LLMEngine
+
+        self.model_config = json.loads(args["model_config"])
+        self.name = args["model_name"]
+        params = parameters_of(self.model_config)
+        config = engine_config(params, ROOT)
+        self.input_names = [i["name"] for i in self.model_config["input"]]
+        self.log = pb_utils.Logger
+        # Built before initialize() returns: Triton reports the model ready only after this.
+        self.engine = LLMEngine(config)
+        served = params.get("served_model_name") or Path(config.model).name
+        self.metrics = ServingMetrics(pb_utils, served, log=self.log.log_warn)
+        self.loop = EngineLoop(self.engine, self._send, self.metrics, log=self.log.log_error,
+                               on_dead=self._unload_self).start()
+        self.log.log_info(f"engine ready: {self.engine.info}")
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                inputs = {}
+                for name in self.input_names:
+                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    inputs[name] = None if tensor is None else tensor.as_numpy()
+                check_single_batch(inputs)
+                parsed = parse_request(inputs, json.loads(request.parameters() or "{}"))
+            except RequestError as e:
+                self.loop.reject(sender, str(e))
+                continue
+            self.loop.submit(sender, parsed)
+        return None
+
+    def _send(self, sender, item: Outgoing):
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if item.final else 0
+        if item.error is not None:
+            code = getattr(pb_utils.TritonError, ERROR_CODES[item.error_kind])
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(item.error, code)),
+                        flags=flags)
+            return
+        c = item.chunk
+        tensors = [
+            pb_utils.Tensor("output_ids", np.array([c.token_ids], dtype=np.int32)),
+            pb_utils.Tensor("context_ids", np.array([c.context_ids], dtype=np.int32)),
+            pb_utils.Tensor("engine_text", np.array([[(c.text or "").encode()]], dtype=object)),
+            pb_utils.Tensor("engine_text_valid", np.array([[c.text is not None]], dtype=bool)),
+            pb_utils.Tensor("prefix_text", np.array([[c.prefix.encode()]], dtype=object)),
+            pb_utils.Tensor("finish_reason",
+                            np.array([[(c.finish_reason or "").encode()]], dtype=object)),
+            pb_utils.Tensor("num_input_tokens", np.array([[c.num_input_tokens]], np.uint32)),
+            pb_utils.Tensor("num_output_tokens", np.array([[c.num_output_tokens]], np.uint32)),
+        ]
+        sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+
+    def _unload_self(self):
+        # Triton does not restart a decoupled stub: unloading makes the model (and the ensemble)
+        # report not-ready. Needs --model-control-mode=explicit, which scripts/serve.py uses.
+        try:
+            pb_utils.unload_model(self.name)
+        except Exception as e:  # noqa: BLE001
+            self.log.log_error(f"could not unload {self.name} after the engine failed: {e}")
+
+    def finalize(self):
+        self.loop.shutdown()
+        self.metrics.close()

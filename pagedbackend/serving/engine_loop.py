@@ -1,0 +1,326 @@
+"""The engine model's threads: one loop thread owns the LLMEngine, one sender thread is the only
+caller of Triton's send, one watcher thread polls cancellation. Free of Triton imports, so it is
+unit-tested with a fake engine and fake senders.
+
+Threading model:
+- `submit()` / `reject()` run on Triton's execute thread; they only enqueue.
+- The loop thread alone calls the engine (add_request, step, abort, stats) and alone owns `_live`
+  (per-request state); it turns engine outputs into `Outgoing` items on the outbox.
+- The sender thread alone calls `send(handle, outgoing)`; it sends exactly one final per request,
+  because only the loop (or, once the loop is dead, `submit`) creates final items, once each.
+- The watcher thread calls `handle.is_cancelled()` (stub IPC, slow) off the loop and hands ids to
+  the loop, which aborts them before its next step.
+- `_handles` (request id -> handle, read by the watcher) is the only state under a lock.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from pagedbackend.serving.request import ParsedRequest
+
+from pagedbackend.engine.detokenizer import DETOKENIZE_CONTEXT
+
+
+@dataclass
+class Chunk:
+    """What one engine-model response carries (the detokenizer turns it into text)."""
+    token_ids: list[int]
+    context_ids: list[int]            # ids just before token_ids, for stateless detokenization
+    text: Optional[str]               # set when the engine made the text itself (stop strings)
+    finish_reason: Optional[str]
+    num_input_tokens: int
+    num_output_tokens: int            # tokens in this response (the whole output if not streaming)
+    prefix: str = ""                  # the prompt text, first response only, when echoing it
+
+
+@dataclass
+class Outgoing:
+    handle: Any
+    chunk: Optional[Chunk] = None
+    error: Optional[str] = None
+    error_kind: str = "internal"      # "invalid" | "cancelled" | "unavailable" | "internal"
+    final: bool = False
+
+
+@dataclass
+class _Live:
+    handle: Any
+    req: ParsedRequest
+    text_mode: bool
+    arrival: float
+    tail: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    started: bool = False
+    ids: list[int] = field(default_factory=list)       # accumulated when not streaming
+    text: list[str] = field(default_factory=list)
+    num_out: int = 0
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    cancelled: bool = False
+
+
+class EngineLoop:
+    def __init__(self, engine: Any, send: Callable[[Any, Outgoing], None], metrics: Any = None,
+                 log: Callable[[str], None] = print, on_dead: Optional[Callable[[], None]] = None,
+                 cancel_poll_s: float = 0.05, stats_period_s: float = 0.5):
+        self.engine, self._send, self.metrics, self._log = engine, send, metrics, log
+        self._on_dead = on_dead
+        self._cancel_poll_s, self._stats_period_s = cancel_poll_s, stats_period_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancels: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._handles: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._dead = threading.Event()
+        self._threads = [threading.Thread(target=t, name=n, daemon=True) for t, n in (
+            (self._run, "engine-loop"), (self._send_all, "engine-sender"),
+            (self._watch, "engine-cancel-watch"))]
+
+    # ---- execute thread -------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return not self._dead.is_set()
+
+    def start(self) -> "EngineLoop":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def submit(self, handle: Any, req: ParsedRequest) -> None:
+        if self._dead.is_set():
+            self.reject(handle, "the engine has stopped; the model is unavailable", "unavailable")
+            return
+        rid = str(next(self._ids))
+        with self._lock:
+            self._handles[rid] = handle
+        self._inbox.put((rid, handle, req, time.monotonic()))
+        if self._dead.is_set():          # died between the check and the put: loop won't see it
+            self._drain_inbox_with_error()
+
+    def reject(self, handle: Any, message: str, kind: str = "invalid") -> None:
+        self._outbox.put(Outgoing(handle, error=message, error_kind=kind, final=True))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._threads[0].join(timeout)
+        self._outbox.put(None)
+        for t in self._threads[1:]:
+            t.join(timeout)
+
+    # ---- loop thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        last_stats = 0.0
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished()
+                self._take_inbox(block=not busy)
+                self._take_cancels()
+                if self.engine.has_unfinished():
+                    outputs = self.engine.step()
+                    now = time.monotonic()
+                    for out in outputs:
+                        self._on_output(out, now)
+                    busy = True
+                now = time.monotonic()
+                idle_now = not self.engine.has_unfinished()
+                if now - last_stats >= self._stats_period_s or (busy and idle_now):
+                    last_stats = now
+                    if self.metrics is not None:
+                        self.metrics.on_stats(self.engine.stats())
+        except BaseException as e:  # noqa: BLE001 - any failure leaves the engine unusable
+            self._log(f"engine loop died: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+            self._die()
+            return
+        for rid, live in list(self._live.items()):     # shutdown: close what is still open
+            self._finish(rid, Outgoing(live.handle, error="the server is shutting down",
+                                       error_kind="unavailable", final=True))
+        self._drain_inbox_with_error("the server is shutting down")
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            self._add(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, rid: str, handle: Any, req: ParsedRequest, arrival: float) -> None:
+        try:
+            self.engine.add_request(rid, req.engine_prompt(), req.params, priority=req.priority,
+                                    cache_salt=req.cache_salt, detokenize=False,
+                                    arrival_time=arrival)
+        except ValueError as e:                        # names the field and the allowed range
+            self._forget(rid)
+            self._outbox.put(Outgoing(handle, error=str(e), error_kind="invalid", final=True))
+            return
+        except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop
+            self._log(f"add_request failed: {type(e).__name__}: {e}")
+            self._forget(rid)
+            self._outbox.put(Outgoing(handle, error="internal error while adding the request",
+                                      error_kind="internal", final=True))
+            return
+        self._live[rid] = _Live(handle, req, text_mode=bool(req.params.stop), arrival=arrival)
+
+    def _take_cancels(self) -> None:
+        ids = []
+        while True:
+            try:
+                rid = self._cancels.get_nowait()
+            except queue.Empty:
+                break
+            live = self._live.get(rid)
+            if live is not None and not live.cancelled:
+                live.cancelled = True
+                ids.append(rid)
+        if ids:
+            self.engine.abort(ids)      # frees KV blocks now; final output on the next step
+
+    def _on_output(self, out: Any, now: float) -> None:
+        live = self._live.get(out.request_id)
+        if live is None:
+            return
+        comp = out.outputs[0]
+        new_ids = list(comp.delta_token_ids)
+        if not live.started:
+            live.started = True
+            live.prompt_len = len(out.prompt_token_ids)
+            live.tail = list(out.prompt_token_ids[-DETOKENIZE_CONTEXT:])
+        context = live.tail
+        if new_ids:
+            live.tail = (live.tail + new_ids)[-DETOKENIZE_CONTEXT:]
+            self._on_tokens(live, out, len(new_ids), now)
+        finished = out.finished or comp.finish_reason is not None
+        if finished and live.cancelled:
+            self._finish(out.request_id, Outgoing(live.handle, error="the request was cancelled",
+                                                  error_kind="cancelled", final=True),
+                         reason="abort", now=now)
+            return
+        text = comp.delta_text if live.text_mode else None
+        if live.req.stream:
+            if not new_ids and not text and not finished:
+                return
+            first = live.num_out == len(new_ids)
+            chunk = Chunk(new_ids, context, text, comp.finish_reason if finished else None,
+                          live.prompt_len, len(new_ids), prefix=self._echo(live, out) if first
+                          else "")
+            if finished:
+                self._finish(out.request_id, Outgoing(live.handle, chunk, final=True),
+                             reason=comp.finish_reason, now=now)
+            else:
+                self._outbox.put(Outgoing(live.handle, chunk))
+            return
+        live.ids.extend(new_ids)
+        if text:
+            live.text.append(text)
+        if finished:
+            chunk = Chunk(live.ids, list(out.prompt_token_ids[-DETOKENIZE_CONTEXT:]),
+                          "".join(live.text) if live.text_mode else None, comp.finish_reason,
+                          live.prompt_len, len(live.ids), prefix=self._echo(live, out))
+            self._finish(out.request_id, Outgoing(live.handle, chunk, final=True),
+                         reason=comp.finish_reason, now=now)
+
+    def _echo(self, live: _Live, out: Any) -> str:
+        if live.req.exclude_input_in_output:
+            return ""
+        if live.req.prompt is not None:
+            return live.req.prompt
+        return self.engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=True)
+
+    def _on_tokens(self, live: _Live, out: Any, n: int, now: float) -> None:
+        live.num_out += n
+        if self.metrics is None:
+            live.first_token = live.first_token or now
+            live.last_token = now
+            return
+        if live.first_token is None:
+            live.first_token = now
+            queued = None
+            if getattr(out, "first_scheduled_time", None) and getattr(out, "arrival_time", None):
+                queued = max(0.0, out.first_scheduled_time - out.arrival_time)
+            self.metrics.on_first_token(now - live.arrival, queued, live.prompt_len)
+            if n > 1:
+                self.metrics.on_inter_token(0.0, n - 1)
+        else:
+            self.metrics.on_inter_token((now - live.last_token) / n, n)
+        live.last_token = now
+        self.metrics.on_generated(n)
+
+    def _finish(self, rid: str, item: Outgoing, reason: Optional[str] = None,
+                now: Optional[float] = None) -> None:
+        live = self._live.pop(rid, None)
+        self._forget(rid)
+        self._outbox.put(item)
+        if self.metrics is not None and live is not None and reason is not None:
+            self.metrics.on_finished(reason, (now or time.monotonic()) - live.arrival,
+                                     live.prompt_len, live.num_out)
+
+    def _forget(self, rid: str) -> None:
+        with self._lock:
+            self._handles.pop(rid, None)
+
+    def _die(self) -> None:
+        self._dead.set()
+        for rid, live in list(self._live.items()):
+            self._finish(rid, Outgoing(live.handle, error="the engine failed; the model is "
+                                       "unavailable", error_kind="unavailable", final=True))
+        self._drain_inbox_with_error()
+        if self._on_dead is not None:
+            try:
+                self._on_dead()
+            except Exception as e:  # noqa: BLE001
+                self._log(f"on_dead failed: {e}")
+
+    def _drain_inbox_with_error(self, message: str = "the engine has stopped; the model is "
+                                "unavailable") -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                self._forget(item[0])
+                self._outbox.put(Outgoing(item[1], error=message, error_kind="unavailable",
+                                          final=True))
+
+    # ---- sender thread --------------------------------------------------------------------
+    def _send_all(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            try:
+                self._send(item.handle, item)
+            except Exception as e:  # noqa: BLE001 - e.g. the client went away
+                self._log(f"send failed: {type(e).__name__}: {e}")
+
+    # ---- watcher thread -------------------------------------------------------------------
+    def _watch(self) -> None:
+        flagged: set[str] = set()
+        while not self._stop.wait(self._cancel_poll_s):
+            with self._lock:
+                handles = list(self._handles.items())
+            for rid, handle in handles:
+                if rid in flagged:
+                    continue
+                try:
+                    cancelled = handle.is_cancelled()
+                except Exception:  # noqa: BLE001 - a finished request's sender may be gone
+                    cancelled = False
+                if cancelled:
+                    flagged.add(rid)
+                    self._cancels.put(rid)
+            flagged &= {rid for rid, _ in handles}

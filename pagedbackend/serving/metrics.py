@@ -1,0 +1,158 @@
+"""vLLM-named metrics published through Triton's custom metrics API (pb_utils.MetricFamily).
+
+The engine loop only enqueues events (cheap, never blocks); one metrics thread applies them, and
+the loop's periodic `EngineStats` snapshot, to the Triton metric objects. `families` is anything
+with pb_utils' MetricFamily interface, so tests pass a fake.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable, Optional
+
+# Same bucket edges as vLLM, so dashboards built for vLLM read these unchanged.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                 100000]
+FINISH_REASONS = ("stop", "length", "abort")
+
+# Gauge/counter key -> pagedbackend.engine.llm_engine.EngineStats attribute.
+STAT_NAMES = {
+    "running": "num_running",
+    "waiting": "num_waiting",
+    "kv_usage": "kv_cache_usage",
+    "preemptions": "num_preemptions",
+    "prefix_queries": "prefix_cache_queries",
+    "prefix_hits": "prefix_cache_hits",
+}
+
+
+def stat(stats: Any, key: str) -> Optional[float]:
+    value = getattr(stats, STAT_NAMES[key], None)
+    return None if value is None else float(value)
+
+
+class ServingMetrics:
+    def __init__(self, families: Any, model_name: str, log: Callable[[str], None] = print):
+        mf, labels = families.MetricFamily, {"model_name": model_name}
+        self._log = log
+        self._families = []
+
+        def family(name, doc, kind):
+            fam = mf(name=name, description=doc, kind=kind)
+            self._families.append(fam)
+            return fam
+
+        def gauge(name, doc):
+            return family(name, doc, mf.GAUGE).Metric(labels=labels)
+
+        def counter(name, doc, **extra):
+            return family(name, doc, mf.COUNTER).Metric(labels={**labels, **extra})
+
+        def histogram(name, doc, buckets):
+            return family(name, doc, mf.HISTOGRAM).Metric(labels=labels, buckets=buckets)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.")
+        self.prompt_tokens = counter("vllm:prompt_tokens_total", "Prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens_total",
+                                         "Generation tokens processed.")
+        success = family("vllm:request_success_total", "Finished requests by finish reason.",
+                         mf.COUNTER)
+        self.success = {r: success.Metric(labels={**labels, "finished_reason": r})
+                        for r in FINISH_REASONS}
+        self.preemptions = counter("vllm:num_preemptions_total", "Cumulative preemptions.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries_total",
+                                      "Prefix-cache queries, in tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits_total", "Prefix-cache hits, in tokens.")
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Time spent waiting before the first schedule.",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.request_prompt = histogram("vllm:request_prompt_tokens",
+                                        "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.request_generation = histogram("vllm:request_generation_tokens",
+                                            "Generation tokens per request.", TOKEN_BUCKETS)
+        self._totals = {"preemptions": 0.0, "prefix_queries": 0.0, "prefix_hits": 0.0}
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._apply_all, name="engine-metrics",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- called from the engine loop: enqueue only -----------------------------------------
+    def on_first_token(self, ttft: float, queue_time: Optional[float], prompt_tokens: int):
+        self._events.put(("first", ttft, queue_time, prompt_tokens))
+
+    def on_inter_token(self, seconds: float, count: int):
+        self._events.put(("itl", seconds, count))
+
+    def on_generated(self, n: int):
+        self._events.put(("gen", n))
+
+    def on_finished(self, reason: str, e2e: float, prompt_tokens: int, generated: int):
+        self._events.put(("done", reason, e2e, prompt_tokens, generated))
+
+    def on_stats(self, stats: Any):
+        self._events.put(("stats", stats))
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._events.put(None)
+        self._thread.join(timeout)
+
+    # ---- metrics thread ---------------------------------------------------------------------
+    def _apply_all(self) -> None:
+        while True:
+            event = self._events.get()
+            if event is None:
+                return
+            try:
+                self._apply(*event)
+            except Exception as e:  # noqa: BLE001 - metrics must never take the model down
+                self._log(f"metrics update failed: {type(e).__name__}: {e}")
+
+    def _apply(self, kind: str, *args: Any) -> None:
+        if kind == "first":
+            ttft, queue_time, prompt_tokens = args
+            self.ttft.observe(ttft)
+            if queue_time is not None:
+                self.queue_time.observe(queue_time)
+            self.prompt_tokens.increment(prompt_tokens)
+        elif kind == "itl":
+            seconds, count = args
+            for _ in range(count):
+                self.itl.observe(seconds)
+        elif kind == "gen":
+            self.generation_tokens.increment(args[0])
+        elif kind == "done":
+            reason, e2e, prompt_tokens, generated = args
+            self.success.get(reason, self.success["abort"]).increment(1)
+            self.e2e.observe(e2e)
+            self.request_prompt.observe(prompt_tokens)
+            self.request_generation.observe(generated)
+        elif kind == "stats":
+            self._apply_stats(args[0])
+
+    def _apply_stats(self, stats: Any) -> None:
+        for key, gauge in (("running", self.running), ("waiting", self.waiting),
+                           ("kv_usage", self.kv_usage)):
+            value = stat(stats, key)
+            if value is not None:
+                gauge.set(value)
+        for key, ctr in (("preemptions", self.preemptions),
+                         ("prefix_queries", self.prefix_queries),
+                         ("prefix_hits", self.prefix_hits)):
+            value = stat(stats, key)           # engine totals are cumulative: publish the growth
+            if value is not None and value > self._totals[key]:
+                ctr.increment(value - self._totals[key])
+                self._totals[key] = value
