@@ -23,7 +23,8 @@ def main():
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 10000) for _ in range(a.len)] for _ in range(a.requests)]
     hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
-    gen = dict(max_new_tokens=a.len, min_new_tokens=a.len, do_sample=False, pad_token_id=0)
+    hf.generation_config.eos_token_id = None     # like ignore_eos: every request runs a.len
+    gen = dict(max_new_tokens=a.len, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         hf.generate(torch.tensor(prompts[:2]), max_new_tokens=4, do_sample=False, pad_token_id=0)
         hf_out, hf_secs = timed(hf.generate, torch.tensor(prompts), **gen)

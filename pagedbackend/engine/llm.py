@@ -47,7 +47,13 @@ class LLM:
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: Optional[SamplingParams] = None) -> list[RequestOutput]:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tok = self.engine.tokenizer
-        prompts = [{"prompt_token_ids": tok.apply_chat_template(c, add_generation_prompt=True,
-                                                                tokenize=True)} for c in convs]
+        prompts = [{"prompt_token_ids": chat_token_ids(self.engine.tokenizer, c)} for c in convs]
         return self.generate(prompts, sampling_params)
+
+
+def chat_token_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """The model's chat template applied with the assistant turn opened."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):   # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)

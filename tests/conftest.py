@@ -1,0 +1,14 @@
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOLLM2 = os.path.join(ROOT, "models", "smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The real SmolLM2-135M-Instruct, prepared by `make model` (scripts/prepare_model.py)."""
+    if not os.path.exists(os.path.join(SMOLLM2, "config.json")):
+        pytest.fail(f"{SMOLLM2} is missing: run `make model` (scripts/prepare_model.py)")
+    return SMOLLM2

@@ -1,0 +1,88 @@
+"""The real SmolLM2-135M-Instruct through the engine: transformers parity, chat, text output."""
+import pytest
+import torch
+
+from pagedbackend import LLM, SamplingParams
+from pagedbackend.engine.detokenizer import context_for, decode_delta
+from pagedbackend.engine.llm import chat_token_ids
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir):
+    return LLM(smollm2_dir, block_size=16, max_num_seqs=64)
+
+
+def test_chat_answers_paris(llm):
+    out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    assert out.text.startswith("The capital of France is Paris")
+    assert out.finish_reason == "stop"          # EOS (<|im_end|>) ended it
+
+
+def test_greedy_identical_to_transformers_in_a_batch(llm, smollm2_dir):
+    from transformers import AutoModelForCausalLM
+    tok = llm.get_tokenizer()
+    texts = ["What is the capital of France?", "Write a haiku about the sea.",
+             "List three prime numbers.", "Hi", "Explain photosynthesis in one sentence.",
+             "Translate 'good morning' to French.", "What is 17 times 3?",
+             "Name a famous painter."]
+    prompts = [chat_token_ids(tok, [{"role": "user", "content": t}]) for t in texts]
+    n = 24
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    # No EOS for transformers either (min_new_tokens would mask EOS instead of ignoring it).
+    hf.generation_config.eos_token_id = None
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                              pad_token_id=0)[0, len(p):].tolist()
+        assert len(ref) == n
+        assert o.outputs[0].token_ids == ref
+
+
+def test_stop_string_cuts_text_exactly(llm):
+    full = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text
+    cut = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32, stop=["France"]))[0]
+    o = cut.outputs[0]
+    assert o.text == full[:full.index("France")]
+    assert (o.finish_reason, o.stop_reason) == ("stop", "France")
+    inc = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32, stop=["Paris"],
+                                            include_stop_str_in_output=True))[0].outputs[0]
+    assert inc.text == full[:full.index("Paris") + len("Paris")]
+
+
+def test_streamed_deltas_concatenate_to_text_with_multibyte_output(llm):
+    eng = llm.engine
+    msgs = [{"role": "user", "content": "Écris « bonjour » en chinois (你好) et ajoute un emoji 😀."}]
+    ids = chat_token_ids(eng.tokenizer, msgs)
+    for rid, stop in (("plain", []), ("stop", ["\n\n"])):
+        eng.add_request(rid, {"prompt_token_ids": ids},
+                        SamplingParams(temperature=0.8, seed=7, max_tokens=48, stop=stop))
+    deltas, final = {"plain": "", "stop": ""}, {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            deltas[out.request_id] += out.outputs[0].delta_text
+            if out.finished:
+                final[out.request_id] = out.outputs[0]
+    for rid in final:
+        assert deltas[rid] == final[rid].text
+    # The stateless detokenizer (as the Triton detokenizer instances use it) agrees too.
+    o = final["plain"]
+    all_ids = ids + o.token_ids
+    pieces = [decode_delta(eng.tokenizer, context_for(all_ids, len(ids) + i), [t])
+              for i, t in enumerate(o.token_ids)]
+    assert "".join(pieces) == o.text
+    assert any(ord(c) > 127 for c in o.text), o.text
+
+
+def test_seeded_sampling_is_reproducible_in_mixed_batches(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=16)
+    a = llm.chat(QUESTION, p)[0].outputs[0].token_ids
+    tok = llm.get_tokenizer()
+    mixed = llm.generate(["Tell me a story", {"prompt_token_ids": chat_token_ids(tok, QUESTION)},
+                          "Count to ten"],
+                         [SamplingParams(temperature=1.0, max_tokens=20), p,
+                          SamplingParams(temperature=0.5, max_tokens=8)])
+    assert mixed[1].outputs[0].token_ids == a
