@@ -10,41 +10,7 @@ import torch
 from pagedbackend.layers.attention import AttentionMetadata, TorchAttentionBackend
 from pagedbackend.models import build_model, load_weights
 
-_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=160, max_position_embeddings=128,
-               rms_norm_eps=1e-5)
-TINY_CONFIGS = {
-    "llama": dict(_COMMON, rope_theta=500000.0, tie_word_embeddings=False,
-                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
-    "mistral": dict(_COMMON, num_key_value_heads=1, sliding_window=None, rope_theta=10000.0),
-    "qwen2": dict(_COMMON, tie_word_embeddings=True, rope_theta=1e6),
-    "qwen3": dict(_COMMON, head_dim=24, tie_word_embeddings=True, rope_theta=1e6),
-}
-ARCHS = tuple(TINY_CONFIGS)
-
-
-def make_hf_checkpoint(arch: str, out_dir, seed: int = 0, max_shard_size=None):
-    """A randomly initialised tiny transformers model saved as safetensors; returns the model.
-
-    Weights are drawn with a larger spread than HF's init (and norms and biases away from their
-    defaults) so a mis-loaded tensor shows up in the logits."""
-    import transformers
-
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cls(**TINY_CONFIGS[arch]),
-                                                          dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(str(out_dir), **kwargs)
-    return model
+from pagedbackend.testing import ARCHS, TINY_CONFIGS, make_hf_checkpoint  # noqa: F401
 
 
 def load_ours(model_dir, load_format: str = "auto", dtype=torch.float32, **tp):

@@ -8,38 +8,14 @@ import torch
 
 from pagedbackend import LLM, EngineConfig, SamplingParams
 from pagedbackend.engine.llm_engine import LLMEngine
+from pagedbackend.testing import ARCHS, TINY_CONFIGS, make_hf_checkpoint
 
-TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            rms_norm_eps=1e-5)
-
-ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM",
-              dict(rope_theta=500000.0, tie_word_embeddings=False,
-                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0,
-                                 "original_max_position_embeddings": 64})),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
-    "mistral": ("MistralConfig", "MistralForCausalLM",
-                dict(tie_word_embeddings=False, sliding_window=None)),
-}
+VOCAB = TINY_CONFIGS["llama"]["vocab_size"]
 
 
 def make_tiny(path, arch, seed=0):
-    import transformers
-    cfg_cls, model_cls, extra = ARCHS[arch]
-    torch.manual_seed(seed)
-    cfg = getattr(transformers, cfg_cls)(**TINY, **extra)
-    model = getattr(transformers, model_cls)(cfg).eval()
-    # Random init is tiny; widen the weights so greedy choices are well separated.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.15)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(path)
-    return model
+    return make_hf_checkpoint(arch, path, seed=seed, std=0.15,
+                              **({"num_key_value_heads": 2} if arch == "mistral" else {}))
 
 
 def hf_greedy(model, prompt, n):
@@ -49,7 +25,7 @@ def hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def mixed_prompts(seed, count=10, vocab=211):
+def mixed_prompts(seed, count=10, vocab=VOCAB):
     rng = random.Random(seed)
     shared = [rng.randrange(1, vocab) for _ in range(13)]
     prompts = []
@@ -156,7 +132,7 @@ def test_request_validation_names_field(llama_dir):
     ok = SamplingParams(max_tokens=4)
     cases = [
         ([], ok, "prompt_token_ids"),
-        ([1, 2, 211], ok, "prompt_token_ids"),
+        ([1, 2, VOCAB], ok, "prompt_token_ids"),
         ([-1], ok, "prompt_token_ids"),
         ([1] * 64, ok, "prompt"),
         ([1] * 10, SamplingParams(max_tokens=60), "max_tokens"),
