@@ -38,6 +38,7 @@ class Request:
         self.cache_salt = cache_salt
         self.max_model_len = max_model_len
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        self._output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1          # prefix-cache hit on first admission; -1 = not yet
         self.status = RequestStatus.WAITING
@@ -56,11 +57,12 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
+        """The live list of generated ids (no copy: it grows while the request runs)."""
+        return self._output_token_ids
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
+        return len(self._output_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -68,6 +70,7 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        self._output_token_ids.append(token_id)
 
     def check_stop(self) -> Optional[RequestStatus]:
         """Token-level stop rules, applied after each new token (stop strings live upstream)."""

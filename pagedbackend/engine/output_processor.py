@@ -140,8 +140,11 @@ class OutputProcessor:
                 ids = s.req.output_token_ids
                 done = s.finish_reason is not None
                 limit = len(s.text) if done else max(s.emitted_chars, len(s.text) - g.holdback)
+                # token_ids is a copy once finished; while running, the live list (no O(n) copy
+                # per step; callers that keep an unfinished output must copy it).
                 outputs.append(CompletionOutput(
-                    index=s.index, text=s.text[:limit] if not done else s.text, token_ids=ids,
+                    index=s.index, text=s.text[:limit] if not done else s.text,
+                    token_ids=list(ids) if done else ids,
                     cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
                     finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                     delta_token_ids=ids[s.emitted_tokens:],
