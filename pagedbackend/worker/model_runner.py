@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -101,11 +101,16 @@ class ModelRunner:
         self.graphs: Optional[DecodeGraphs] = None
 
     # -- KV cache ------------------------------------------------------------------------
-    def init_kv_cache(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+    def init_kv_cache(self, max_num_batched_tokens: int, max_model_len: int,
+                      agree: Optional[Callable[[int], int]] = None) -> int:
+        """Size, allocate and (on CUDA) graph-capture the KV cache. Tensor-parallel ranks pass
+        `agree` (their count -> the minimum over ranks) so every rank allocates the same pool."""
         per_block = kv_bytes_per_block(self.hf_config, self.block_size, self.dtype, self.tp_size)
         num_blocks = num_blocks_for_device(
             self.config, self.device, per_block,
             profile=lambda: self.profile_run(max_num_batched_tokens, max_model_len))
+        if agree is not None:
+            num_blocks = agree(num_blocks)
         self.allocate_kv_cache(num_blocks)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
@@ -173,8 +178,10 @@ class ModelRunner:
         return StepInputs(t(h.tokens), t(h.positions.astype(np.int64)), meta,
                           t(logits_idx.astype(np.int64)), h.sample_rows)
 
-    def _logits(self, h: HostInputs) -> Optional[torch.Tensor]:
-        """Logits of the rows that sample: a CUDA graph replay for decode steps, else eager."""
+    def forward_logits(self, h: HostInputs) -> Optional[torch.Tensor]:
+        """Logits of the rows that sample: a CUDA graph replay for decode steps, else eager.
+        Tensor-parallel workers call this alone (they take part in the collectives, not in
+        sampling)."""
         if self.graphs is not None and h.decode_only and self.graphs.bucket(len(h.tokens)):
             logits = self.graphs.run(h.tokens, h.positions, h.slots, h.seq_lens, h.table)
             return logits if len(h.sample_rows) == len(h.tokens) else logits[h.sample_rows]
@@ -187,7 +194,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerResult:
         h = self.prepare(sched)
-        logits = self._logits(h)
+        return self.sample(sched, h, self.forward_logits(h))
+
+    @torch.inference_mode()
+    def sample(self, sched: SchedulerOutput, h: HostInputs,
+               logits: Optional[torch.Tensor]) -> RunnerResult:
         if logits is None:
             return RunnerResult({})
         reqs = [sched.scheduled[i].request for i in h.sample_rows]
