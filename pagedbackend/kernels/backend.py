@@ -1,0 +1,69 @@
+"""TritonAttentionBackend: the CUDA implementation of layers.attention.AttentionBackend."""
+from __future__ import annotations
+
+import torch
+
+from pagedbackend.kernels.cache import store_kv_cache
+from pagedbackend.kernels.common import num_sms
+from pagedbackend.kernels.decode import choose_num_splits, max_split_rows, paged_decode_attention
+from pagedbackend.kernels.prefill import paged_prefill_attention
+
+
+class TritonAttentionBackend:
+    """Writes K/V, then runs the decode kernel when every sequence has one query
+    (meta.max_query_len == 1) and the prefill kernel otherwise.
+
+    Decode is CUDA-graph safe: it reads only host fields of meta (shapes, max_seq_len), launches
+    grids that depend on the batch size and the split count alone, and uses split-KV scratch
+    allocated once per (device, Hq, D) at the first call (size bounded over every batch size).
+    The split count follows meta.max_seq_len, so capture graphs with meta.max_seq_len set to the
+    longest context they will replay (e.g. max_model_len); any shorter context stays correct.
+    One instance can serve every layer: the scratch is reused stream-ordered.
+    """
+
+    def __init__(self, num_splits: int | None = None, decode_config: dict | None = None,
+                 prefill_config: dict | None = None):
+        self.num_splits = num_splits     # fixed split count (tests, tuning); None = heuristic
+        self.decode_config = decode_config      # tile overrides, see decode.decode_config
+        self.prefill_config = prefill_config    # and prefill.prefill_config
+        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _split_scratch(self, q: torch.Tensor, hkv: int, splits: int, b: int):
+        hq, d = q.shape[1], q.shape[2]
+        key = (q.device, hq, hkv, d)
+        need = b * splits
+        buf = self._scratch.get(key)
+        if buf is None or buf[1].numel() < need * hq:
+            rows = max(need, max_split_rows(hkv, num_sms(q.device.index)))
+            if buf is not None and torch.cuda.is_available() \
+                    and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("split-KV scratch must grow during CUDA graph capture; "
+                                   "run an eager step of the largest batch first")
+            buf = (torch.empty(rows * hq * d, dtype=torch.float32, device=q.device),
+                   torch.empty(rows * hq, dtype=torch.float32, device=q.device))
+            self._scratch[key] = buf
+        return buf
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        b = meta.seq_lens.shape[0]
+        if meta.max_query_len == 1:
+            hkv = k_cache.shape[2]
+            splits = self.num_splits or choose_num_splits(
+                b, hkv, meta.max_seq_len, num_sms(q.device.index))
+            part_out = part_lse = None
+            if splits > 1:
+                part_out, part_lse = self._split_scratch(q, hkv, splits, b)
+            paged_decode_attention(q[:b], k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                   scale, out[:b], splits, part_out, part_lse,
+                                   self.decode_config)
+            if q.shape[0] > b:
+                out[b:].zero_()
+            return out
+        paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc, scale, out, self.prefill_config)
+        n_real = sum(meta.query_lens_cpu)
+        if n_real < q.shape[0]:
+            out[n_real:].zero_()     # padding rows: defined values, never NaN
+        return out

@@ -1,0 +1,179 @@
+"""Paged decode attention: one query token per sequence, split-KV over long contexts.
+
+A program owns (sequence, kv head, split): the GQA group's query heads form the M side of
+tl.dot (padded to 16 rows), the split's keys are visited BLOCK_N tokens (several cache blocks) at
+a time through the block table, with an fp32 online softmax. With more than one split each
+program writes a normalized partial output and its log-sum-exp (base 2), and a second kernel
+merges them. The grid depends only on the batch size and the split count, never on data, so a
+decode step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedbackend.kernels.common import dot_precision, mma, next_pow2
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 32
+MIN_TOKENS_PER_SPLIT = 128
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
+    """Enough (seq, kv head, split) programs to give every SM about two, but no split shorter
+    than MIN_TOKENS_PER_SPLIT tokens (merging costs more than it saves there)."""
+    work = num_seqs * num_kv_heads
+    if work >= sms:
+        return 1
+    by_sms = triton.cdiv(2 * sms, work)
+    by_len = triton.cdiv(max(max_seq_len, 1), MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_sms, by_len, MAX_SPLITS))
+
+
+def max_split_rows(num_kv_heads: int, sms: int) -> int:
+    """Upper bound of num_seqs * num_splits over every batch size with num_splits > 1: the
+    split-KV scratch can be sized once, before any CUDA graph capture."""
+    best, b = 0, 1
+    while b * num_kv_heads < sms:
+        best = max(best, b * choose_num_splits(b, num_kv_heads, 1 << 30, sms))
+        b += 1
+    return best
+
+
+def decode_config(head_dim: int) -> dict:
+    # 64 tokens (4 blocks of 16) per iteration keeps enough bytes in flight per program;
+    # K+V tiles are 32 KiB at D=128, so two stages leave room for 3 CTAs per SM.
+    if head_dim <= 128:
+        return dict(BLOCK_N=64, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                   out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
+                   stride_qt, stride_qh, stride_ot, stride_oh,
+                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                   stride_bt,
+                   NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Split boundaries are multiples of BLOCK_N; trailing splits of short sequences are empty.
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kvh * stride_kh
+    v_base = v_cache_ptr + kvh * stride_vh
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        blk = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        tok = n % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + (blk * stride_kb + tok * stride_ks)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = mma(q, tl.trans(k), PRECISION) * scale_log2                 # [BLOCK_G, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + (blk * stride_vb + tok * stride_vs)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION)
+        m_i = m_new
+
+    # l_i == 0 only for an empty range (a padded batch row with seq_len 0, or an empty split):
+    # emit zeros and a -inf log-sum-exp rather than NaN.
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / safe_l[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        row = (seq.to(tl.int64) * NUM_Q_HEADS + heads) * NUM_SPLITS + split   # [BLOCK_G]
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
+                         NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    row = (seq * NUM_Q_HEADS + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)                                            # 0 for empty splits
+    o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, res.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor, num_splits: int = 1,
+                           part_out: torch.Tensor | None = None,
+                           part_lse: torch.Tensor | None = None,
+                           config: dict | None = None) -> torch.Tensor:
+    """q/out [B, Hq, D] (row b is sequence b's single query); caches [N, block_size, Hkv, D].
+
+    With num_splits > 1, part_out (>= B*Hq*num_splits*D fp32) and part_lse (>= B*Hq*num_splits
+    fp32) are the caller's scratch, so nothing here allocates.
+    """
+    b, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    assert hq % hkv == 0 and q.stride(2) == 1 and out.stride(2) == 1
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
+    group = hq // hkv
+    cfg = {**decode_config(d), **(config or {})}
+    if num_splits > 1:
+        assert part_out is not None and part_lse is not None
+        assert part_out.numel() >= b * hq * num_splits * d and part_lse.numel() >= b * hq * num_splits
+    else:
+        part_out = part_lse = out           # unused by the kernel
+    _decode_kernel[(b, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        NUM_Q_HEADS=hq, GROUP=group, BLOCK_G=next_pow2(group, 16),
+        HEAD_DIM=d, BLOCK_D=next_pow2(d, 16), BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if num_splits > 1:
+        _merge_splits_kernel[(b, hq)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=next_pow2(d, 16), NUM_SPLITS=num_splits,
+            BLOCK_S=next_pow2(num_splits, 2), num_warps=1 if d <= 64 else 2)
+    return out

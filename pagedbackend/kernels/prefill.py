@@ -1,0 +1,144 @@
+"""Causal (chunked-)prefill attention over the paged cache, all sequences in one launch.
+
+A program owns (query tile, query head). Query tiles are numbered so that sequence i's tiles
+start at query_start_loc[i] // BLOCK_M + i; this never overlaps the previous sequence's tiles, so
+T // BLOCK_M + B programs cover any batch and each finds its sequence by a binary search over
+query_start_loc, on the device, without host data. A sequence's queries are the last q_len of its
+seq_len positions, so cached prefix blocks are read like any other context. Keys wholly before
+the tile's first query need no mask; only the diagonal band is masked.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedbackend.kernels.common import dot_precision, mma, next_pow2
+
+LOG2E = 1.4426950408889634
+
+
+def prefill_config(head_dim: int) -> dict:
+    # Hopper: 128-row query tiles feed wgmma; Q (32 KiB) + 3 stages of K/V 64-token tiles
+    # (3 x 32 KiB) fit in shared memory at D=128.
+    if head_dim <= 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, q, k_base, v_base, table, start, n_end, qpos,
+                  stride_kb, stride_ks, stride_vb, stride_vs, d, d_mask, scale_log2,
+                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    n = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_mask = n < n_end
+        blk = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        blk = tl.load(table + n // BLOCK_SIZE).to(tl.int64)
+        kv_mask = d_mask[None, :]
+    tok = n % BLOCK_SIZE
+    k = tl.load(k_base + (blk * stride_kb + tok * stride_ks)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0)
+    s = mma(q, tl.trans(k), PRECISION) * scale_log2                     # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        s = tl.where((n[None, :] <= qpos[:, None]) & n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + (blk * stride_vb + tok * stride_vs)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
+                    query_start_loc_ptr, num_seqs, scale_log2,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    stride_bt,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    # Last sequence whose first tile index is <= tile.
+    lo = tile * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
+        lo = tl.where(first <= tile, mid, lo)
+        hi = tl.where(first <= tile, hi, mid)
+    seq = lo
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_lo = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M
+    if q_lo >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+
+    rows = q_lo + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    tok_idx = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + tok_idx[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    qpos = ctx + rows
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kvh = head // GROUP
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kvh * stride_kh
+    v_base = v_cache_ptr + kvh * stride_vh
+    # Keys before the tile's first query position are visible to every row: no mask.
+    full_end = ((ctx + q_lo) // BLOCK_N) * BLOCK_N
+    kv_end = tl.minimum(seq_len, ctx + q_lo + BLOCK_M)
+    for start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, table, start, kv_end,
+                                      qpos, stride_kb, stride_ks, stride_vb, stride_vs, d,
+                                      d_mask, scale_log2, BLOCK_N, BLOCK_SIZE, False, PRECISION)
+    for start in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, table, start, kv_end,
+                                      qpos, stride_kb, stride_ks, stride_vb, stride_vs, d,
+                                      d_mask, scale_log2, BLOCK_N, BLOCK_SIZE, True, PRECISION)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok_idx[:, None] * stride_ot + head * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            query_start_loc: torch.Tensor, scale: float, out: torch.Tensor,
+                            config: dict | None = None) -> torch.Tensor:
+    """q/out [T, Hq, D]: rows query_start_loc[i]:query_start_loc[i+1] are sequence i's last
+    queries; any mix of query lengths (1 included). Rows past query_start_loc[-1] are untouched."""
+    t, hq, d = q.shape
+    b = seq_lens.shape[0]
+    hkv = k_cache.shape[2]
+    assert hq % hkv == 0 and q.stride(2) == 1 and out.stride(2) == 1
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
+    if t == 0 or b == 0:
+        return out
+    cfg = {**prefill_config(d), **(config or {})}
+    grid = (t // cfg["BLOCK_M"] + b, hq)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, b, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=next_pow2(d, 16), BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PRECISION=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out

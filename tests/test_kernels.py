@@ -1,0 +1,243 @@
+"""Parity of the triton kernels with their plain-PyTorch references, on fresh random inputs.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 at tiny shapes; with CUDA the same tests
+run at llama-3.1-8b attention shapes (head_dim 128, block 16, GQA 4, contexts up to 4k, bf16).
+"""
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    # Must precede the kernels' import: triton picks interpret-vs-compile when it decorates.
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "pagedbackend.kernels.common" in sys.modules \
+            and not sys.modules["pagedbackend.kernels.common"].INTERPRET:
+        for name in [m for m in sys.modules if m.startswith("pagedbackend.kernels")]:
+            del sys.modules[name]
+pytest.importorskip("triton")
+
+kernels = importlib.import_module("pagedbackend.kernels")
+from pagedbackend.layers import norm as torch_norm  # noqa: E402
+from pagedbackend.layers import rotary as torch_rotary  # noqa: E402
+from pagedbackend.kernels.testing import random_paged_batch  # noqa: E402
+from pagedbackend.layers.attention import paged_attention_ref, write_kv_cache  # noqa: E402
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+# (q heads, kv heads, head_dim): CPU shapes stay tiny, the interpreter runs programs one by one.
+if CUDA:
+    SHAPES = {1: (8, 8, 128), 2: (16, 8, 128), 4: (32, 8, 128)}
+    SMALL_TILES = None
+else:
+    SHAPES = {1: (2, 2, 64), 2: (4, 2, 64), 4: (4, 1, 128)}
+    SMALL_TILES = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+REL_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+# The CPU interpreter truncates fp32 -> bf16 (the GPU rounds to nearest), which alone costs up to
+# one bf16 ulp per stored element; on CUDA the elementwise kernels must match almost exactly.
+EXACTISH = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 3e-3 if CUDA else 1e-2}
+
+
+def rel_err(out, ref):
+    assert not torch.isnan(out).any(), "NaN in kernel output"
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    if os.environ.get("KERNEL_TEST_VERBOSE"):
+        print(f"rel_err={err:.2e}")
+    return err
+
+
+def make_batch(query_lens, seq_lens, block_size, hq, hkv, d, dtype, spare_blocks=3, pad=0):
+    return random_paged_batch(query_lens, seq_lens, block_size, hq, hkv, d, dtype, DEV,
+                              spare_blocks, pad)
+
+
+def check_backend(backend, query_lens, seq_lens, block_size, group, dtype, pad=0):
+    hq, hkv, d = SHAPES[group]
+    q, k, v, kc, vc, meta = make_batch(query_lens, seq_lens, block_size, hq, hkv, d, dtype,
+                                       pad=pad)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    write_kv_cache(k, v, kc_ref, vc_ref, meta.slot_mapping)
+    n = sum(query_lens)
+    ref = paged_attention_ref(q[:n], kc_ref, vc_ref, meta, d ** -0.5)
+    out = backend.forward(q, k, v, kc, vc, meta, d ** -0.5)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), "KV cache write differs"
+    assert out.shape == q.shape
+    assert rel_err(out[:n], ref) < REL_TOL[dtype]
+    if pad:
+        assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+    # The raw kernels again, into NaN-poisoned outputs: every real row must be written.
+    poisoned = torch.full_like(q, float("nan"))
+    if meta.max_query_len == 1:
+        splits = backend.num_splits or 1
+        b = len(seq_lens)
+        kernels.paged_decode_attention(
+            q[:b], kc, vc, meta.block_tables, meta.seq_lens, d ** -0.5, poisoned[:b], splits,
+            torch.empty(b * hq * splits * d, device=DEV), torch.empty(b * hq * splits, device=DEV),
+            backend.decode_config)
+    else:
+        kernels.paged_prefill_attention(q, kc, vc, meta.block_tables, meta.seq_lens,
+                                        meta.query_start_loc, d ** -0.5, poisoned,
+                                        backend.prefill_config)
+    assert rel_err(poisoned[:n], ref) < REL_TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------- KV write
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_kv_cache_skips_padding_slots(dtype):
+    hq, hkv, d = SHAPES[2]
+    q, k, v, kc, vc, meta = make_batch([3, 1], [7, 5], 4, hq, hkv, d, dtype, pad=2)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    write_kv_cache(k, v, kc_ref, vc_ref, meta.slot_mapping)
+    kernels.store_kv_cache(k, v, kc, vc, meta.slot_mapping)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+# ----------------------------------------------------------------------------------- decode
+
+if CUDA:
+    DECODE_CASES = [  # (group, block, seq_lens, splits)
+        (4, 16, [4096, 17, 1000, 2048], None), (4, 16, [1, 300, 4096], 8),
+        (2, 16, [513] * 8, 4), (1, 4, [100, 2049], None), (4, 4, [333] * 64, None)]
+else:
+    DECODE_CASES = [(1, 4, [9, 1], 1), (2, 16, [70, 33], 1), (4, 4, [45, 3], 3),
+                    (2, 4, [130, 5, 64], 4), (4, 16, [200], 2)]
+
+
+@pytest.mark.parametrize("group,block_size,seq_lens,splits", DECODE_CASES)
+def test_decode_matches_reference(group, block_size, seq_lens, splits):
+    cfg = None if CUDA else dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    backend = kernels.TritonAttentionBackend(num_splits=splits, decode_config=cfg)
+    check_backend(backend, [1] * len(seq_lens), seq_lens, block_size, group, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_decode_dtypes_and_padded_rows(dtype):
+    # A padded decode batch row (seq_len 0, slot -1) must come out as zeros, not NaN.
+    hq, hkv, d = SHAPES[2]
+    q, k, v, kc, vc, meta = make_batch([1, 1, 1], [40, 7, 1], 4, hq, hkv, d, dtype)
+    meta.seq_lens[2] = 0
+    meta.slot_mapping[2] = -1
+    meta.seq_lens_cpu[2] = 0
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    write_kv_cache(k, v, kc_ref, vc_ref, meta.slot_mapping)
+    ref = paged_attention_ref(q[:2], kc_ref, vc_ref, meta, d ** -0.5)
+    kernels.store_kv_cache(k, v, kc, vc, meta.slot_mapping)
+    for splits in (1, 2):
+        out = torch.full_like(q, float("nan"))
+        kernels.paged_decode_attention(
+            q, kc, vc, meta.block_tables, meta.seq_lens, d ** -0.5, out, splits,
+            torch.empty(3 * hq * splits * d, device=DEV), torch.empty(3 * hq * splits, device=DEV),
+            None if CUDA else dict(BLOCK_N=16))
+        assert rel_err(out[:2], ref) < REL_TOL[dtype]
+        assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+def test_num_splits_heuristic():
+    assert kernels.choose_num_splits(256, 8, 2048, 132) == 1
+    assert kernels.choose_num_splits(1, 8, 8192, 132) == 32
+    assert kernels.choose_num_splits(1, 8, 100, 132) == 1
+    assert kernels.choose_num_splits(1, 8, 2048, 132) == 16
+    assert 1 < kernels.choose_num_splits(4, 8, 2048, 132) <= 9
+
+
+# ---------------------------------------------------------------------------------- prefill
+
+if CUDA:
+    PREFILL_CASES = [  # (group, block, query_lens, seq_lens)
+        (4, 16, [2048], [2048]), (4, 16, [300, 1, 1000, 1, 77], [300, 900, 4000, 17, 1101]),
+        (2, 16, [129, 256], [1153, 256]), (1, 4, [64, 1, 200], [64, 64, 999])]
+else:
+    PREFILL_CASES = [(1, 4, [21, 1], [21, 9]), (2, 16, [5, 40], [37, 40]),
+                     (4, 4, [1, 18, 3], [30, 50, 3]), (4, 16, [33], [33])]
+
+
+@pytest.mark.parametrize("group,block_size,query_lens,seq_lens", PREFILL_CASES)
+def test_prefill_matches_reference(group, block_size, query_lens, seq_lens):
+    # seq_len > q_len: a cached prefix; q_len 1 rows: the decode part of a mixed batch.
+    backend = kernels.TritonAttentionBackend(prefill_config=SMALL_TILES)
+    check_backend(backend, query_lens, seq_lens, block_size, group, torch.bfloat16, pad=3)
+
+
+@pytest.mark.parametrize("dtype,tiles", [(torch.float32, None), (torch.float16, SMALL_TILES)])
+def test_prefill_other_dtypes(dtype, tiles):
+    check_backend(kernels.TritonAttentionBackend(prefill_config=tiles), [9, 1, 20], [20, 6, 35],
+                  4, 2, dtype)
+
+
+# ------------------------------------------------------------------------- CUDA graph decode
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_decode_cuda_graph_replays_new_data():
+    hq, hkv, d = SHAPES[4]
+    backend = kernels.TritonAttentionBackend()
+    q, k, v, kc, vc, meta = make_batch([1] * 4, [4000, 50, 1, 2048], 16, hq, hkv, d,
+                                       torch.bfloat16)
+    meta.max_seq_len = 4096                                    # capture for the longest context
+    backend.forward(q, k, v, kc, vc, meta, d ** -0.5)          # warm-up: compile, scratch
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, kc, vc, meta, d ** -0.5)
+    # Next step: other lengths (within the same blocks), fresh values, written in place.
+    new_lens = [3001, 17, 700, 1]
+    for x in (q, k, v, kc, vc):
+        x.copy_(torch.randn_like(x))
+    bs = kc.shape[1]
+    pos = torch.tensor(new_lens, device=DEV) - 1
+    rows = torch.arange(4, device=DEV)
+    meta.slot_mapping.copy_(meta.block_tables[rows, pos // bs].long() * bs + pos % bs)
+    meta.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+    meta.seq_lens_cpu = new_lens
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    out.fill_(float("nan"))
+    graph.replay()
+    write_kv_cache(k, v, kc_ref, vc_ref, meta.slot_mapping)
+    ref = paged_attention_ref(q, kc_ref, vc_ref, meta, d ** -0.5)
+    assert torch.equal(kc, kc_ref)
+    assert rel_err(out, ref) < REL_TOL[torch.bfloat16]
+
+
+# ---------------------------------------------------------------------------- norm / rotary
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_matches_reference(dtype):
+    rows, n = (300, 4096) if CUDA else (5, 96)
+    x = torch.randn(rows, n, device=DEV).to(dtype)
+    res = torch.randn(rows, n, device=DEV).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, device=DEV)).to(dtype)
+    tol = EXACTISH[dtype]
+    assert rel_err(kernels.rms_norm(x, w, 1e-6), torch_norm.rms_norm(x, w, 1e-6)) < tol
+    out, new_res = kernels.fused_add_rms_norm(x, res, w, 1e-5)
+    ref, ref_res = torch_norm.fused_add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(new_res, ref_res) if CUDA or dtype != torch.bfloat16 \
+        else rel_err(new_res, ref_res) < tol
+    assert rel_err(out, ref) < tol
+    # Qwen3's per-head q/k norm: a 3-D input normalized over its last dim.
+    xh = torch.randn(7, 4, 32 if not CUDA else 128, device=DEV).to(dtype)
+    wh = torch.rand(xh.shape[-1], device=DEV).to(dtype) + 0.5
+    assert rel_err(kernels.rms_norm(xh, wh, 1e-6), torch_norm.rms_norm(xh, wh, 1e-6)) < tol
+
+
+def _rotary_ref_fp32(x, positions, cache):
+    cos, sin = cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_matches_reference(dtype):
+    t, hq, hkv, d = (500, 32, 8, 128) if CUDA else (6, 4, 2, 64)
+    cache = torch_rotary.build_cos_sin_cache(d, 4096, 500000.0, None, dtype, DEV)
+    positions = torch.randint(0, 4096, (t,), device=DEV)
+    qkv = torch.randn(t, hq + 2 * hkv, d, device=DEV).to(dtype)
+    q, k, _ = qkv.split([hq, hkv, hkv], dim=1)                      # strided views, as in models
+    ref_q, ref_k = torch_rotary.apply_rotary(q.clone(), k.clone(), positions, cache)
+    exact_q, exact_k = _rotary_ref_fp32(q, positions, cache), _rotary_ref_fp32(k, positions, cache)
+    out_q, out_k = kernels.apply_rotary(q, k, positions, cache)
+    assert out_q.data_ptr() == q.data_ptr()                          # in place
+    assert rel_err(out_q, exact_q) < EXACTISH[dtype]
+    assert rel_err(out_k, exact_k) < EXACTISH[dtype]
+    assert rel_err(out_q, ref_q) < REL_TOL[dtype] and rel_err(out_k, ref_k) < REL_TOL[dtype]
