@@ -42,12 +42,16 @@ class FakeBackend:
         self.requests, self.closed, self.finished = [], [], []
         self.is_ready, self.answer, self.fail, self.fail_after = True, ANSWER, None, None
         self.delay = 0.0
+        self.has_logprobs = True
 
     async def ready(self) -> bool:
         return self.is_ready
 
     async def version(self) -> str:
         return "2.51.0"
+
+    async def supports_logprobs(self) -> bool:
+        return self.has_logprobs
 
     async def generate(self, req):
         self.requests.append(req)
@@ -264,6 +268,15 @@ def test_logprobs_shapes(client):
     assert lp["tokens"][0] == "Paris" and lp["text_offset"][0] == len(COMP["prompt"])
     assert lp["top_logprobs"][0] == {"Paris": -0.5}
     assert client.post("/v1/completions", json=COMP).json()["choices"][0]["logprobs"] is None
+
+
+def test_logprobs_refused_when_triton_has_no_logprobs_output(client, fake):
+    fake.has_logprobs = False
+    r = client.post("/v1/chat/completions", json={**CHAT, "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    r = client.post("/v1/completions", json={**COMP, "logprobs": 0})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "logprobs_unsupported"
+    assert client.post("/v1/completions", json=COMP).status_code == 200
 
 
 # ---- errors --------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from client.openai_gateway.backend import Backend
-from client.openai_gateway.errors import APIError
+from client.openai_gateway.backend import Backend, BackendError
+from client.openai_gateway.errors import APIError, from_triton
 from client.openai_gateway.prompts import PromptRenderer
 from client.openai_gateway.protocol import parse_chat, parse_completion, unknown_model
 from client.openai_gateway.serving import Generation
@@ -86,6 +86,10 @@ def create_app(backend: Backend, served_names: list[str], api_key: Optional[str]
         req = parse(body, served_names[0])
         if req.model not in served_names:
             raise unknown_model(req.model)
+        if req.logprobs is not None and not await _supports_logprobs(backend):
+            param = "logprobs" if req.kind == "completion" or not req.logprobs else "top_logprobs"
+            raise APIError(400, "logprobs are not available: the Triton model has no `logprobs` "
+                           "output", param=param, code="logprobs_unsupported")
         gen = Generation(backend, req, renderer.prompts(req), req.model)
         if not req.stream:
             return JSONResponse(await until_disconnect(request, gen.response(), gen))
@@ -165,6 +169,13 @@ class ApiKeyMiddleware:
                                 headers={"WWW-Authenticate": "Bearer"})
             return await resp(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+async def _supports_logprobs(backend: Backend) -> bool:
+    try:
+        return await backend.supports_logprobs()
+    except BackendError as e:
+        raise from_triton(e.message) from None
 
 
 def _own_version() -> str:

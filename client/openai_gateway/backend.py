@@ -1,6 +1,6 @@
-"""What the gateway needs from an inference server: `ready`, `version`, and `generate`, an async
-iterator of `Chunk`s that is cancelled by closing it. `TritonBackend` (triton_backend.py) is the
-real one; tests inject a fake with the same three members."""
+"""What the gateway needs from an inference server: `ready`, `version`, `supports_logprobs`, and
+`generate`, an async iterator of `Chunk`s that is cancelled by closing it. `TritonBackend` (triton_backend.py) is the
+real one; tests inject a fake with the same members."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,5 +45,7 @@ class Backend(Protocol):
     async def ready(self) -> bool: ...
 
     async def version(self) -> str: ...
+
+    async def supports_logprobs(self) -> bool: ...
 
     def generate(self, request: BackendRequest) -> AsyncIterator[Chunk]: ...

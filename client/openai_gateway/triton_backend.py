@@ -36,6 +36,7 @@ class TritonBackend:
         self.url, self.model = url, model
         self._client: Optional[grpcclient.InferenceServerClient] = None
         self._inputs: Optional[set] = None      # input names of the model, read once
+        self._outputs: set = set()
         self._batched = False
 
     def _grpc(self) -> grpcclient.InferenceServerClient:
@@ -68,7 +69,12 @@ class TritonBackend:
                 raise BackendError(f"unavailable: {e.message()}") from None
             self._batched = int(cfg.get("max_batch_size", 0)) > 0
             self._inputs = {i["name"] for i in cfg.get("input", [])}
+            self._outputs = {o["name"] for o in cfg.get("output", [])}
         return self._inputs
+
+    async def supports_logprobs(self) -> bool:
+        await self._model_inputs()
+        return "logprobs" in self._outputs
 
     def _tensor(self, name: str, dtype: str, values: list) -> grpcclient.InferInput:
         arr = np.array(values, dtype=_NUMPY[dtype])
