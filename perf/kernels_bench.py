@@ -1,0 +1,165 @@
+"""Time each triton kernel against its torch reference at llama-3.1-8b shapes on one GPU.
+
+    python perf/kernels_bench.py [--sweep]
+
+32 q / 8 kv heads x 128, bf16, block 16. Decode at batch 1/64/256 x context 512/2048 (GB/s of KV +
+q/out traffic vs the H200's 4.27 TB/s), prefill of 2048 tokens (alone and after a 2048 cached
+prefix; TFLOP/s of the causal attention), KV write, RMSNorm (+residual), rotary. --sweep also
+tries a few tile configs for decode and prefill and prints the best. The table comes last.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedbackend import kernels  # noqa: E402
+from pagedbackend.kernels.common import num_sms  # noqa: E402
+from pagedbackend.kernels.decode import decode_config  # noqa: E402
+from pagedbackend.kernels.prefill import prefill_config  # noqa: E402
+from pagedbackend.kernels.testing import random_paged_batch  # noqa: E402
+from pagedbackend.layers import norm as torch_norm, rotary as torch_rotary  # noqa: E402
+from pagedbackend.layers.attention import TorchAttentionBackend, write_kv_cache  # noqa: E402
+
+HQ, HKV, D, BS, HIDDEN = 32, 8, 128, 16, 4096
+DT = torch.bfloat16
+DEVICE = "cuda"
+PEAK_BW = 4.27e12
+ROWS: list[tuple] = []          # (name, triton ms, torch ms, metric)
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
+def row(name, t_ms, ref_ms, metric=""):
+    ROWS.append((name, t_ms, ref_ms, metric))
+    print(f"{name:<34} triton {t_ms * 1e3:9.1f} us   torch {ref_ms * 1e3:9.1f} us   {metric}",
+          flush=True)
+
+
+def kv_bytes(seq_lens):
+    return sum(seq_lens) * HKV * D * 2 * 2
+
+
+def bench_decode(sweep):
+    scale = D ** -0.5
+    for b in (1, 64, 256):
+        for ctx in (512, 2048):
+            q, k, v, kc, vc, meta = random_paged_batch([1] * b, [ctx] * b, BS, HQ, HKV, D, DT,
+                                                       DEVICE)
+            backend = kernels.TritonAttentionBackend()
+            ref_backend = TorchAttentionBackend()
+            splits = kernels.choose_num_splits(b, HKV, ctx, num_sms(torch.cuda.current_device()))
+            out = torch.empty_like(q)
+            part_out = torch.empty(b * HQ * splits * D, device=DEVICE)
+            part_lse = torch.empty(b * HQ * splits, device=DEVICE)
+
+            def attn(cfg=None, s=splits):
+                kernels.paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens,
+                                               scale, out, s, part_out, part_lse, cfg)
+            t = bench(attn)
+            t_fwd = bench(lambda: backend.forward(q, k, v, kc, vc, meta, scale))
+            t_ref = bench(lambda: ref_backend.forward(q, k, v, kc, vc, meta, scale))
+            gbs = (kv_bytes([ctx] * b) + 2 * q.numel() * 2) / (t * 1e-3)
+            row(f"decode b={b} ctx={ctx} splits={splits}", t, t_ref,
+                f"{gbs / 1e9:7.0f} GB/s ({100 * gbs / PEAK_BW:4.1f}% of 4.27 TB/s); "
+                f"backend fwd {t_fwd * 1e3:.1f} us")
+            if sweep:
+                best = None
+                for bn in (32, 64, 128):
+                    for st in (1, 2, 3):
+                        for nw in (2, 4):
+                            cfg = dict(BLOCK_N=bn, num_stages=st, num_warps=nw)
+                            for s in sorted({1, splits, max(1, splits // 2), min(32, splits * 2)}):
+                                if s > splits and part_out.numel() < b * HQ * s * D:
+                                    continue
+                                tt = bench(lambda: attn(cfg, s))
+                                if best is None or tt < best[0]:
+                                    best = (tt, cfg, s)
+                print(f"    sweep best {best[0] * 1e3:.1f} us with {best[1]} splits={best[2]} "
+                      f"(default {decode_config(D)})")
+
+
+def bench_prefill(sweep):
+    scale = D ** -0.5
+    for name, qlens, slens in (("prefill 2048", [2048], [2048]),
+                               ("prefill 2048 after 2048 cached", [2048], [4096]),
+                               ("prefill 4x512", [512] * 4, [512] * 4)):
+        q, k, v, kc, vc, meta = random_paged_batch(qlens, slens, BS, HQ, HKV, D, DT, DEVICE)
+        out = torch.empty_like(q)
+
+        def attn(cfg=None):
+            kernels.paged_prefill_attention(q, kc, vc, meta.block_tables, meta.seq_lens,
+                                            meta.query_start_loc, scale, out, cfg)
+        t = bench(attn)
+        t_ref = bench(lambda: TorchAttentionBackend().forward(q, k, v, kc, vc, meta, scale))
+        # Causal: query at position p sees p + 1 keys; 2 matmuls x 2 flop per multiply-add.
+        pairs = sum(sum(range(s - ql + 1, s + 1)) for ql, s in zip(qlens, slens))
+        tflops = 4 * HQ * D * pairs / (t * 1e-3) / 1e12
+        row(name, t, t_ref, f"{tflops:6.1f} TFLOP/s")
+        if sweep:
+            best = None
+            for bm, bn, nw, st in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3),
+                                   (64, 64, 4, 3), (128, 32, 8, 4), (64, 128, 4, 2)):
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=st)
+                try:
+                    tt = bench(lambda: attn(cfg))
+                except Exception as e:          # e.g. out of shared memory
+                    print(f"    {cfg}: {type(e).__name__}")
+                    continue
+                if best is None or tt < best[0]:
+                    best = (tt, cfg)
+            print(f"    sweep best {best[0] * 1e3:.1f} us with {best[1]} "
+                  f"(default {prefill_config(D)})")
+
+
+def bench_elementwise():
+    for t in (256, 2048):
+        q, k, v, kc, vc, meta = random_paged_batch([t], [t], BS, HQ, HKV, D, DT, DEVICE)
+        tt = bench(lambda: kernels.store_kv_cache(k, v, kc, vc, meta.slot_mapping))
+        tr = bench(lambda: write_kv_cache(k, v, kc, vc, meta.slot_mapping))
+        row(f"store_kv T={t}", tt, tr, f"{4 * k.numel() * 2 / (tt * 1e-3) / 1e9:7.0f} GB/s")
+
+        x = torch.randn(t, HIDDEN, device=DEVICE, dtype=DT)
+        res = torch.randn_like(x)
+        w = torch.randn(HIDDEN, device=DEVICE, dtype=DT)
+        tt = bench(lambda: kernels.fused_add_rms_norm(x, res, w, 1e-5))
+        tr = bench(lambda: torch_norm.fused_add_rms_norm(x, res, w, 1e-5))
+        row(f"fused_add_rms_norm T={t}", tt, tr,
+            f"{5 * x.numel() * 2 / (tt * 1e-3) / 1e9:7.0f} GB/s")
+        tt = bench(lambda: kernels.rms_norm(x, w, 1e-5))
+        tr = bench(lambda: torch_norm.rms_norm(x, w, 1e-5))
+        row(f"rms_norm T={t}", tt, tr, f"{2 * x.numel() * 2 / (tt * 1e-3) / 1e9:7.0f} GB/s")
+
+        cache = torch_rotary.build_cos_sin_cache(D, 8192, 500000.0, None, DT, DEVICE)
+        pos = torch.randint(0, 8192, (q.shape[0],), device=DEVICE)
+        tt = bench(lambda: kernels.apply_rotary(q, k, pos, cache))
+        tr = bench(lambda: torch_rotary.apply_rotary(q, k, pos, cache))
+        row(f"rotary T={t}", tt, tr,
+            f"{2 * (q.numel() + k.numel()) * 2 / (tt * 1e-3) / 1e9:7.0f} GB/s")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true", help="also try a few tile configs")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "kernels_bench needs a CUDA GPU"
+    torch.manual_seed(0)
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+          f"triton {triton.__version__}  SMs {num_sms(torch.cuda.current_device())}")
+    bench_decode(args.sweep)
+    bench_prefill(args.sweep)
+    bench_elementwise()
+    print("\n| kernel | triton us | torch us | speed-up | |\n|---|---:|---:|---:|---|")
+    for name, t, r, metric in ROWS:
+        print(f"| {name} | {t * 1e3:.1f} | {r * 1e3:.1f} | {r / t:.2f}x | {metric} |")
+
+
+if __name__ == "__main__":
+    main()
