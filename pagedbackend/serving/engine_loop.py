@@ -10,7 +10,8 @@ Threading model:
   because only the loop (or, once the loop is dead, `submit`) creates final items, once each.
 - The watcher thread calls `handle.is_cancelled()` (stub IPC, slow) off the loop and hands ids to
   the loop, which aborts them before its next step.
-- `_handles` (request id -> handle, read by the watcher) is the only state under a lock.
+- `_handles` (request id -> (handle, key), read by the watcher) and `_keys` (request key -> request id,
+  read by `stop()`) are the only state under a lock.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class Chunk:
     num_input_tokens: int
     num_output_tokens: int            # tokens in this response (the whole output if not streaming)
     prefix: str = ""                  # the prompt text, first response only, when echoing it
+    request_key: str = ""             # names the request in a later `stop` request
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Outgoing:
 class _Live:
     handle: Any
     req: ParsedRequest
+    key: str
     text_mode: bool
     arrival: float
     tail: list[int] = field(default_factory=list)
@@ -76,7 +79,8 @@ class EngineLoop:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._cancels: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
-        self._handles: dict[str, Any] = {}
+        self._handles: dict[str, tuple[Any, str]] = {}
+        self._keys: dict[str, str] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._stop = threading.Event()
@@ -95,16 +99,28 @@ class EngineLoop:
             t.start()
         return self
 
-    def submit(self, handle: Any, req: ParsedRequest) -> None:
+    def submit(self, handle: Any, req: ParsedRequest, key: str = "") -> None:
         if self._dead.is_set():
             self.reject(handle, "the engine has stopped; the model is unavailable", "unavailable")
             return
         rid = str(next(self._ids))
         with self._lock:
-            self._handles[rid] = handle
-        self._inbox.put((rid, handle, req, time.monotonic()))
+            self._handles[rid] = (handle, key)
+            if key:
+                self._keys[key] = rid
+        self._inbox.put((rid, handle, req, time.monotonic(), key))
         if self._dead.is_set():          # died between the check and the put: loop won't see it
             self._drain_inbox_with_error()
+
+    def stop(self, key: str, handle: Any = None) -> None:
+        """Cancel the request submitted with `key` (a no-op if it has finished); `handle`, the
+        stop request's own sender, gets an empty final response."""
+        with self._lock:
+            rid = self._keys.get(key)
+        if rid is not None:
+            self._cancels.put(rid)
+        if handle is not None:
+            self._outbox.put(Outgoing(handle, final=True))
 
     def reject(self, handle: Any, message: str, kind: str = "invalid") -> None:
         self._outbox.put(Outgoing(handle, error=message, error_kind=kind, final=True))
@@ -158,7 +174,7 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _add(self, rid: str, handle: Any, req: ParsedRequest, arrival: float) -> None:
+    def _add(self, rid: str, handle: Any, req: ParsedRequest, arrival: float, key: str) -> None:
         try:
             self.engine.add_request(rid, req.engine_prompt(), req.params, priority=req.priority,
                                     cache_salt=req.cache_salt, detokenize=False,
@@ -173,7 +189,8 @@ class EngineLoop:
             self._outbox.put(Outgoing(handle, error="internal error while adding the request",
                                       error_kind="internal", final=True))
             return
-        self._live[rid] = _Live(handle, req, text_mode=bool(req.params.stop), arrival=arrival)
+        self._live[rid] = _Live(handle, req, key, text_mode=bool(req.params.stop),
+                                arrival=arrival)
 
     def _take_cancels(self) -> None:
         ids = []
@@ -216,7 +233,7 @@ class EngineLoop:
             first = live.num_out == len(new_ids)
             chunk = Chunk(new_ids, context, text, comp.finish_reason if finished else None,
                           live.prompt_len, len(new_ids), prefix=self._echo(live, out) if first
-                          else "")
+                          else "", request_key=live.key)
             if finished:
                 self._finish(out.request_id, Outgoing(live.handle, chunk, final=True),
                              reason=comp.finish_reason, now=now)
@@ -229,7 +246,8 @@ class EngineLoop:
         if finished:
             chunk = Chunk(live.ids, list(out.prompt_token_ids[-DETOKENIZE_CONTEXT:]),
                           "".join(live.text) if live.text_mode else None, comp.finish_reason,
-                          live.prompt_len, len(live.ids), prefix=self._echo(live, out))
+                          live.prompt_len, len(live.ids), prefix=self._echo(live, out),
+                          request_key=live.key)
             self._finish(out.request_id, Outgoing(live.handle, chunk, final=True),
                          reason=comp.finish_reason, now=now)
 
@@ -270,7 +288,8 @@ class EngineLoop:
 
     def _forget(self, rid: str) -> None:
         with self._lock:
-            self._handles.pop(rid, None)
+            _, key = self._handles.pop(rid, (None, ""))
+            self._keys.pop(key, None)
 
     def _die(self) -> None:
         self._dead.set()
@@ -313,7 +332,7 @@ class EngineLoop:
         while not self._stop.wait(self._cancel_poll_s):
             with self._lock:
                 handles = list(self._handles.items())
-            for rid, handle in handles:
+            for rid, (handle, _) in handles:
                 if rid in flagged:
                     continue
                 try:

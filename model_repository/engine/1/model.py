@@ -13,6 +13,7 @@ Nothing else is shared; the only lock guards the open-request table read by the 
 """
 import json
 import sys
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,7 @@ class TritonPythonModel:
         self.name = args["model_name"]
         params = parameters_of(self.model_config)
         config = engine_config(params, ROOT)
-        self.input_names = [i["name"] for i in self.model_config["input"]]
+        self.input_names = [i["name"] for i in self.model_config["input"] if i["name"] != "stop"]
         self.log = pb_utils.Logger
         # Built before initialize() returns: Triton reports the model ready only after this.
         self.engine = LLMEngine(config)
@@ -53,6 +54,10 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            stop = pb_utils.get_input_tensor_by_name(request, "stop")
+            if stop is not None and bool(stop.as_numpy().reshape(-1)[0]):
+                self.loop.stop(request.request_id(), sender)   # TensorRT-LLM's stop + request id
+                continue
             try:
                 inputs = {}
                 for name in self.input_names:
@@ -63,11 +68,14 @@ class TritonPythonModel:
             except RequestError as e:
                 self.loop.reject(sender, str(e))
                 continue
-            self.loop.submit(sender, parsed)
+            self.loop.submit(sender, parsed, key=uuid.uuid4().hex)
         return None
 
     def _send(self, sender, item: Outgoing):
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if item.final else 0
+        if item.error is None and item.chunk is None:
+            sender.send(flags=flags)
+            return
         if item.error is not None:
             code = getattr(pb_utils.TritonError, ERROR_CODES[item.error_kind])
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(item.error, code)),
@@ -84,6 +92,7 @@ class TritonPythonModel:
                             np.array([[(c.finish_reason or "").encode()]], dtype=object)),
             pb_utils.Tensor("num_input_tokens", np.array([[c.num_input_tokens]], np.uint32)),
             pb_utils.Tensor("num_output_tokens", np.array([[c.num_output_tokens]], np.uint32)),
+            pb_utils.Tensor("request_key", np.array([[c.request_key.encode()]], dtype=object)),
         ]
         sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
 
