@@ -161,7 +161,7 @@ def test_smollm2_tp3_matches_tp1_and_tp2_is_refused():
     assert {p.pid for p in multiprocessing.active_children()} == children, "spawned before refusing"
 
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    params = SamplingParams(temperature=0, max_tokens=12)
+    params = SamplingParams(temperature=0, max_tokens=8)
     kwargs = dict(max_model_len=256, num_kv_blocks=64)
     want = token_ids(LLM(str(SMOLLM2), **kwargs), prompts, params)
     llm = LLM(str(SMOLLM2), tensor_parallel_size=3, **kwargs)
@@ -180,3 +180,127 @@ def test_smollm2_tp3_matches_tp1_and_tp2_is_refused():
     finally:
         engine.shutdown()
     assert wait_gone(pids) == []
+
+
+# -- inside Triton ---------------------------------------------------------------------------
+def _triton_or_skip():
+    from pagedbackend.serving import launcher
+    try:
+        launcher.find_tritonserver()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    if not (SMOLLM2 / "tokenizer.json").exists():
+        pytest.skip("run `make model` first (the ensemble needs SmolLM2's tokenizer)")
+    return launcher
+
+
+def _descendants(root: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process below `root`."""
+    parent, cmd = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent[int(entry)] = int(f.read().split(")")[-1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            pass
+    out, frontier = [], {root}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier}
+        out += [(p, cmd.get(p, "")) for p in frontier]
+    return out
+
+
+def _stream(grpc_url: str, prompt: str, max_tokens: int, timeout: float = 60.0):
+    """Send one greedy request to the ensemble; yield (text, error) per response until final."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    inputs = []
+    for name, value, dtype in (("text_input", np.array([[prompt]], dtype=object), "BYTES"),
+                               ("max_tokens", np.array([[max_tokens]], np.int32), "INT32"),
+                               ("temperature", np.array([[0.0]], np.float32), "FP32"),
+                               ("ignore_eos", np.array([[True]]), "BOOL"),
+                               ("stream", np.array([[True]]), "BOOL")):
+        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
+    try:
+        while True:
+            result, error = responses.get(timeout=timeout)
+            if error is not None:
+                yield None, str(error)
+                return
+            out = result.as_numpy("text_output")
+            yield ("" if out is None or not out.size else out.reshape(-1)[0].decode()), None
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_triton_engine_tp2_answers_like_tp1_and_fails_fast(tmp_path):
+    """The engine model with tensor_parallel_size=2 on the CPU answers exactly like TP=1; killing
+    a worker errors the open request within seconds, the model goes not-ready, no worker is left."""
+    import shutil
+    import urllib.error
+    import urllib.request
+
+    launcher = _triton_or_skip()
+    model = tmp_path / "tiny-llama"
+    # A tiny Llama over SmolLM2's tokenizer (vocab 49152 splits in two; SmolLM2 itself cannot).
+    make_hf_checkpoint("llama", model, vocab_size=49152, max_position_embeddings=512)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SMOLLM2 / name, model / name)
+    settings = dict(block_size=16, num_kv_blocks=64, max_model_len=256, max_num_seqs=8)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    ref = LLM(str(model), **settings)
+    want = [o.outputs[0].text for o in ref.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
+
+    overrides = {k: str(v) for k, v in settings.items()}
+    overrides.update(model=str(model), tensor_parallel_size="2", device="cpu")
+    repo = launcher.materialize_repository(tmp_path / "repository", overrides)
+    ports = [launcher.free_port() for _ in range(3)]
+    log = open(tmp_path / "triton.log", "w")
+    server = launcher.TritonServer(repo, tmp_path, *ports).start(stdout=log, stderr=log)
+    try:
+        server.wait_ready(timeout=180)
+        workers = [p for p, cmd in _descendants(server.proc.pid) if "spawn_main" in cmd]
+        assert len(workers) == 1, "one worker process for rank 1"
+        for prompt, text in zip(prompts, want):
+            got = list(_stream(server.grpc_url, prompt, 12))
+            assert [e for _, e in got if e] == []
+            assert "".join(t for t, _ in got) == text
+
+        responses = _stream(server.grpc_url, "Once upon a time", 200)
+        assert next(responses)[1] is None             # generating
+        os.kill(workers[0], signal.SIGKILL)
+        start = time.monotonic()
+        errors = [e for _, e in responses if e]
+        assert time.monotonic() - start < 10.0
+        assert errors, "the open request must end with an error"
+        ready = f"http://{server.http_url}/v2/models/engine/ready"
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(ready, timeout=2)
+            except urllib.error.HTTPError:
+                break                                 # 400: not ready
+            time.sleep(0.2)
+        else:
+            pytest.fail("the engine model still reports ready after its worker died")
+        assert wait_gone(workers) == []
+    finally:
+        server.stop()
+        log.close()

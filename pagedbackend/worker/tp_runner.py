@@ -89,9 +89,14 @@ class TPRunner:
         try:
             self._workers.broadcast(h)
             logits = self.runner.forward_logits(h)
-            # On the GPU a dead peer shows up here at the latest (the first host sync).
-            result = self.runner.sample(sched, h, logits)
         except Exception as e:  # noqa: BLE001 - a collective failed: find out who left
+            raise self._workers.failure_after(e) from e
+        try:
+            result = self.runner.sample(sched, h, logits)
+        except Exception as e:  # noqa: BLE001
+            if self._workers.backend != "nccl":
+                raise               # a sampling error of rank 0's own; the ranks are in step
+            # On the GPU a dead peer shows up here at the latest (the first host sync).
             raise self._workers.failure_after(e) from e
         self._workers.raise_if_failed()     # an aborted NCCL group may return garbage quietly
         return result
