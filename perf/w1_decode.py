@@ -24,7 +24,9 @@ def run(llm, model_name: str, prompt_len: int = 128, output_len: int = 128) -> d
     prompt = {"prompt_token_ids": [rng.randrange(100, 10000) for _ in range(prompt_len)]}
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
+    llm.engine.timing_summary(reset=True)
     outs, secs = timed(llm.generate, prompt, params)
+    step_split = llm.engine.timing_summary()
     out = outs[0]
     decode_secs = secs - (out.first_token_time - out.arrival_time)
     decode_tps = (output_len - 1) / decode_secs
@@ -32,7 +34,7 @@ def run(llm, model_name: str, prompt_len: int = 128, output_len: int = 128) -> d
     res = {"output_tokens_per_s": output_len / secs, "decode_tokens_per_s": decode_tps,
            "ttft_ms": (out.first_token_time - out.arrival_time) * 1e3,
            "weight_bytes_per_step": wb, "mbu": wb * decode_tps / H200_BW,
-           "roofline_fraction": decode_tps / LIMITS["W1"]}
+           "step_split": step_split, "roofline_fraction": decode_tps / LIMITS["W1"]}
     write_result("W1", model_name, res)
     return res
 

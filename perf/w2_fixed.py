@@ -17,13 +17,15 @@ def run(llm, model_name: str, shape: str) -> dict:
     prompts = [{"prompt_token_ids": [rng.randrange(100, 10000) for _ in range(isl)]}
                for _ in range(n)]
     params = SamplingParams(temperature=0, max_tokens=osl, ignore_eos=True)
+    llm.engine.timing_summary(reset=True)
     outs, secs = timed(llm.generate, prompts, params)
+    step_split = llm.engine.timing_summary()
     toks = output_tokens(outs)
     assert toks == n * osl, (toks, n * osl)
     tps = toks / secs
     res = {"shape": shape, "requests": n, "seconds": secs, "output_tokens_per_s": tps,
            "total_tokens_per_s": (toks + n * isl) / secs,
-           "roofline_fraction": tps / LIMITS[f"W2-{shape}"],
+           "step_split": step_split, "roofline_fraction": tps / LIMITS[f"W2-{shape}"],
            "preemptions": llm.engine.stats().num_preemptions}
     write_result(f"W2-{shape}", model_name, res)
     return res

@@ -23,12 +23,14 @@ def requests(n: int = 256, seed: int = 0):
 def run(llm, model_name: str, workload: str = "W3") -> dict:
     prompts, params = requests()
     llm.generate(prompts[:4], [p.clone(max_tokens=8) for p in params[:4]])   # warm-up
+    llm.engine.timing_summary(reset=True)
     outs, secs = timed(llm.generate, prompts, params)
+    step_split = llm.engine.timing_summary()
     toks = output_tokens(outs)
     assert toks == sum(p.max_tokens for p in params)
     tps = toks / secs
     res = {"requests": len(prompts), "seconds": secs, "output_tokens_per_s": tps,
-           "roofline_fraction": tps / LIMITS["W3"],
+           "step_split": step_split, "roofline_fraction": tps / LIMITS["W3"],
            "preemptions": llm.engine.stats().num_preemptions}
     write_result(workload, model_name, res)
     return res

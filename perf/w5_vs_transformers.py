@@ -60,12 +60,14 @@ def main():
     from pagedbackend import LLM
     llm = LLM(mdir, load_format="dummy", max_model_len=4096, max_num_seqs=512)
     llm.generate(prompts[:4], [p.clone(max_tokens=8) for p in params[:4]])   # warm-up
+    llm.engine.timing_summary(reset=True)
     outs, secs = timed(llm.generate, prompts, params)
+    step_split = llm.engine.timing_summary()
     ours = output_tokens(outs) / secs
     res = {"output_tokens_per_s": ours, "seconds": secs,
            "baseline_output_tokens_per_s": hf["output_tokens_per_s"],
            "ratio": ours / hf["output_tokens_per_s"], "baseline": hf,
-           "roofline_fraction": None}
+           "step_split": step_split, "roofline_fraction": None}
     write_result("W5", a.model, res)
     print_table([{"workload": "W5", "model": a.model, "ours_tok_s": ours,
                   "transformers_tok_s": hf["output_tokens_per_s"], "ratio": res["ratio"],

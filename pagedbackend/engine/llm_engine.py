@@ -25,6 +25,33 @@ PromptType = Union[str, Sequence[int], dict]
 
 
 @dataclass
+class StepTiming:
+    """Where a step's wall time goes (perf scripts read it; summed over steps)."""
+    steps: int = 0
+    tokens: int = 0
+    schedule_s: float = 0.0
+    execute_s: float = 0.0       # prepare + launch + wait for the sampled ids
+    postprocess_s: float = 0.0   # scheduler update + outputs (partly, until collect())
+
+    def add(self, t0: float, t1: float, t2: float, t3: float, tokens: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.schedule_s += t1 - t0
+        self.execute_s += t2 - t1
+        self.postprocess_s += t3 - t2
+
+    def summary(self, sync_wait_s: float) -> dict:
+        n = max(1, self.steps)
+        host = self.schedule_s + self.execute_s + self.postprocess_s - sync_wait_s
+        return {"steps": self.steps, "tokens_per_step": self.tokens / n,
+                "step_ms": (self.schedule_s + self.execute_s + self.postprocess_s) / n * 1e3,
+                "schedule_ms": self.schedule_s / n * 1e3,
+                "execute_ms": self.execute_s / n * 1e3,
+                "postprocess_ms": self.postprocess_s / n * 1e3,
+                "gpu_wait_ms": sync_wait_s / n * 1e3, "host_ms": host / n * 1e3}
+
+
+@dataclass
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -63,6 +90,15 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, info.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.timing = StepTiming()
+
+    def timing_summary(self, reset: bool = False) -> dict:
+        """Mean per-step split: host work vs waiting for the GPU at the one sync."""
+        out = self.timing.summary(getattr(self.runner, "sync_wait_s", 0.0))
+        if reset:
+            self.timing = StepTiming()
+            self.runner.sync_wait_s = 0.0
+        return out
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -144,18 +180,22 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        now = time.monotonic()
-        sched = self.scheduler.schedule(now)
-        if not sched.is_empty:
-            result = self.runner.execute(sched)
-            progressed, finished = self.scheduler.update_from_output(sched, result.sampled)
-            now = time.monotonic()
-            stopped = self.outputs.on_tokens(progressed, result.logprobs, now)
-            if stopped:
-                finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-            self.outputs.on_finished(finished)
-            self.runner.release([r.request_id for r in finished])
-        return self.outputs.collect()
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule(time.monotonic())
+        t1 = time.perf_counter()
+        if sched.is_empty:
+            return self.outputs.collect()
+        result = self.runner.execute(sched)
+        t2 = time.perf_counter()
+        progressed, finished = self.scheduler.update_from_output(sched, result.sampled)
+        stopped = self.outputs.on_tokens(progressed, result.logprobs, time.monotonic())
+        if stopped:
+            finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.outputs.on_finished(finished)
+        self.runner.release([r.request_id for r in finished])
+        outputs = self.outputs.collect()
+        self.timing.add(t0, t1, t2, time.perf_counter(), sched.num_scheduled_tokens)
+        return outputs
 
     def stats(self) -> EngineStats:
         return EngineStats(

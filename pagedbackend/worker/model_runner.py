@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -45,19 +46,6 @@ class HostInputs:
         self.slots = (table[row_of_token, positions // block_size].astype(np.int64) * block_size
                       + positions % block_size)
         self.decode_only = len(tokens) == len(q_lens)
-
-
-class _OutputIds:
-    """Per-row output ids, sliced only if the sampler asks (penalties, min_tokens)."""
-
-    def __init__(self, reqs):
-        self.reqs = reqs
-
-    def __len__(self):
-        return len(self.reqs)
-
-    def __getitem__(self, i):
-        return self.reqs[i].output_token_ids
 
 
 @dataclass
@@ -99,6 +87,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.num_kv_blocks = 0
         self.graphs: Optional[DecodeGraphs] = None
+        self.sync_wait_s = 0.0      # time spent waiting for the GPU at the per-step sync
 
     # -- KV cache ------------------------------------------------------------------------
     def init_kv_cache(self, max_num_batched_tokens: int, max_model_len: int,
@@ -205,12 +194,14 @@ class ModelRunner:
         smeta = SamplingMetadata.build(
             params=[r.sampling_params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
-            output_token_ids=_OutputIds(reqs),
+            output_token_ids=[r.output_token_ids for r in reqs],
             generators=[self._generator(r) for r in reqs],
             min_tokens_stop_ids=[self._min_tokens_stop_ids(r) for r in reqs],
             vocab_size=logits.shape[-1], device=self.device)
         out = self.sampler(logits, smeta)
-        ids = out.sampled_token_ids.tolist()
+        t0 = time.perf_counter()
+        ids = out.sampled_token_ids.tolist()        # the step's one device->host sync
+        self.sync_wait_s += time.perf_counter() - t0
         result = RunnerResult({r.request_id: t for r, t in zip(reqs, ids)})
         if out.logprobs is not None:
             for r, tok, entry in zip(reqs, ids, out.logprobs.tolists()):
