@@ -4,7 +4,7 @@
 
 32 q / 8 kv heads x 128, bf16, block 16. Decode at batch 1/64/256 x context 512/2048 (GB/s of KV +
 q/out traffic vs the H200's 4.27 TB/s), prefill of 2048 tokens (alone and after a 2048 cached
-prefix; TFLOP/s of the causal attention), KV write, RMSNorm (+residual), rotary. --sweep also
+prefix; TFLOP/s of the causal attention), a mixed chunked-prefill step, KV write, RMSNorm (+residual), rotary. --sweep also
 tries a few tile configs for decode and prefill and prints the best. The table comes last.
 """
 from __future__ import annotations
@@ -119,6 +119,19 @@ def bench_prefill(sweep):
                   f"(default {prefill_config(D)})")
 
 
+def bench_mixed():
+    # A chunked-prefill step: one 512-token chunk plus 64 decodes at context 2048, through the
+    # whole backend (KV write + prefill kernel + decode kernel on the single-query rows).
+    scale = D ** -0.5
+    qlens, slens = [512] + [1] * 64, [1024] + [2048] * 64
+    q, k, v, kc, vc, meta = random_paged_batch(qlens, slens, BS, HQ, HKV, D, DT, DEVICE)
+    backend = kernels.TritonAttentionBackend()
+    t = bench(lambda: backend.forward(q, k, v, kc, vc, meta, scale))
+    t_ref = bench(lambda: TorchAttentionBackend().forward(q, k, v, kc, vc, meta, scale))
+    row("mixed 512 chunk + 64 decodes@2048", t, t_ref,
+        f"{kv_bytes(slens) / (t * 1e-3) / 1e9:7.0f} GB/s of KV")
+
+
 def bench_elementwise():
     for t in (256, 2048):
         q, k, v, kc, vc, meta = random_paged_batch([t], [t], BS, HQ, HKV, D, DT, DEVICE)
@@ -155,6 +168,7 @@ def main():
           f"triton {triton.__version__}  SMs {num_sms(torch.cuda.current_device())}")
     bench_decode(args.sweep)
     bench_prefill(args.sweep)
+    bench_mixed()
     bench_elementwise()
     print("\n| kernel | triton us | torch us | speed-up | |\n|---|---:|---:|---:|---|")
     for name, t, r, metric in ROWS:

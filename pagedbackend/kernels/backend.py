@@ -11,7 +11,8 @@ from pagedbackend.kernels.prefill import paged_prefill_attention
 
 class TritonAttentionBackend:
     """Writes K/V, then runs the decode kernel when every sequence has one query
-    (meta.max_query_len == 1) and the prefill kernel otherwise.
+    (meta.max_query_len == 1), and otherwise the prefill kernel, plus the decode kernel for the
+    single-query sequences of a mixed batch (both select their sequences on the device).
 
     Decode is CUDA-graph safe: it reads only host fields of meta (shapes, max_seq_len), launches
     grids that depend on the batch size and the split count alone, and uses split-KV scratch
@@ -48,22 +49,31 @@ class TritonAttentionBackend:
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         b = meta.seq_lens.shape[0]
-        if meta.max_query_len == 1:
+        decode_only = meta.max_query_len == 1
+        # Single-query sequences (all of them in a decode step, some in a mixed chunked-prefill
+        # step) go to the GQA-packed split-KV decode kernel; 128-row prefill tiles would waste
+        # 127 rows on each and read its context once per query head instead of per KV head.
+        singles = decode_only or 1 in meta.query_lens_cpu
+        if singles:
             hkv = k_cache.shape[2]
             splits = self.num_splits or choose_num_splits(
                 b, hkv, meta.max_seq_len, num_sms(q.device.index))
             part_out = part_lse = None
             if splits > 1:
                 part_out, part_lse = self._split_scratch(q, hkv, splits, b)
-            paged_decode_attention(q[:b], k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                   scale, out[:b], splits, part_out, part_lse,
-                                   self.decode_config)
-            if q.shape[0] > b:
-                out[b:].zero_()
-            return out
-        paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                meta.query_start_loc, scale, out, self.prefill_config)
-        n_real = sum(meta.query_lens_cpu)
+            if decode_only:
+                paged_decode_attention(q[:b], k_cache, v_cache, meta.block_tables,
+                                       meta.seq_lens, scale, out[:b], splits, part_out,
+                                       part_lse, self.decode_config)
+            else:
+                paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                       scale, out, splits, part_out, part_lse,
+                                       self.decode_config, meta.query_start_loc)
+        if not decode_only:
+            paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, scale, out, self.prefill_config,
+                                    skip_single=singles)
+        n_real = b if decode_only else sum(meta.query_lens_cpu)
         if n_real < q.shape[0]:
             out[n_real:].zero_()     # padding rows: defined values, never NaN
         return out

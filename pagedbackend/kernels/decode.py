@@ -51,17 +51,23 @@ def decode_config(head_dim: int) -> dict:
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                   out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
+                   query_start_loc_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                    stride_bt,
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, MIXED: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    q_row = seq.to(tl.int64)
+    if MIXED:
+        # A mixed batch: this kernel takes the single-query sequences, the prefill kernel the rest.
+        q_row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+        if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     # Split boundaries are multiples of BLOCK_N; trailing splits of short sequences are empty.
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -73,7 +79,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     heads = kvh * GROUP + g
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+    q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -107,7 +113,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     o = acc / safe_l[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         row = (seq.to(tl.int64) * NUM_Q_HEADS + heads) * NUM_SPLITS + split   # [BLOCK_G]
@@ -117,12 +123,18 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
 
 
 @triton.jit
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr,
+                         stride_ot, stride_oh,
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
+                         BLOCK_S: tl.constexpr, MIXED: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    q_row = seq
+    if MIXED:
+        q_row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+        if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
+            return
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_mask = s < NUM_SPLITS
@@ -135,7 +147,7 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_
                 mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     total = tl.sum(w, 0)
     res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, res.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + d, res.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
 
 
@@ -144,14 +156,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor, num_splits: int = 1,
                            part_out: torch.Tensor | None = None,
                            part_lse: torch.Tensor | None = None,
-                           config: dict | None = None) -> torch.Tensor:
+                           config: dict | None = None,
+                           query_start_loc: torch.Tensor | None = None) -> torch.Tensor:
     """q/out [B, Hq, D] (row b is sequence b's single query); caches [N, block_size, Hkv, D].
+
+    With query_start_loc (a mixed batch, q/out [T, Hq, D]) only sequences with exactly one query
+    are computed, at row query_start_loc[b]; the others are left to the prefill kernel.
 
     With num_splits > 1, part_out (>= B*Hq*num_splits*D fp32) and part_lse (>= B*Hq*num_splits
     fp32) are the caller's scratch, so nothing here allocates.
     """
-    b, hq, d = q.shape
+    hq, d = q.shape[1:]
+    b = seq_lens.shape[0]
     hkv = k_cache.shape[2]
+    mixed = query_start_loc is not None
     assert hq % hkv == 0 and q.stride(2) == 1 and out.stride(2) == 1
     assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
     group = hq // hkv
@@ -162,7 +180,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_out = part_lse = out           # unused by the kernel
     _decode_kernel[(b, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc if mixed else seq_lens,
+        out, part_out, part_lse, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -170,10 +189,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_Q_HEADS=hq, GROUP=group, BLOCK_G=next_pow2(group, 16),
         HEAD_DIM=d, BLOCK_D=next_pow2(d, 16), BLOCK_SIZE=k_cache.shape[1],
         BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        MIXED=mixed, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if num_splits > 1:
         _merge_splits_kernel[(b, hq)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
+            part_out, part_lse, out, query_start_loc if mixed else seq_lens,
+            out.stride(0), out.stride(1),
             NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=next_pow2(d, 16), NUM_SPLITS=num_splits,
-            BLOCK_S=next_pow2(num_splits, 2), num_warps=1 if d <= 64 else 2)
+            BLOCK_S=next_pow2(num_splits, 2), MIXED=mixed, num_warps=1 if d <= 64 else 2)
     return out

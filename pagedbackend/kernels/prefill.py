@@ -65,7 +65,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
                     stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, SKIP_SINGLE: tl.constexpr):
     tile = tl.program_id(0)
     head = tl.program_id(1)
     # Last sequence whose first tile index is <= tile.
@@ -82,6 +82,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     q_lo = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M
     if q_lo >= q_len:
         return
+    if SKIP_SINGLE:
+        if q_len == 1:      # left to the decode kernel (GQA-packed, split-KV)
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
 
@@ -120,9 +123,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, scale: float, out: torch.Tensor,
-                            config: dict | None = None) -> torch.Tensor:
+                            config: dict | None = None, skip_single: bool = False
+                            ) -> torch.Tensor:
     """q/out [T, Hq, D]: rows query_start_loc[i]:query_start_loc[i+1] are sequence i's last
-    queries; any mix of query lengths (1 included). Rows past query_start_loc[-1] are untouched."""
+    queries; any mix of query lengths (1 included). Rows past query_start_loc[-1] are untouched,
+    and so are the single-query sequences' rows with skip_single (run the decode kernel on them)."""
     t, hq, d = q.shape
     b = seq_lens.shape[0]
     hkv = k_cache.shape[2]
@@ -140,5 +145,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_tables.stride(0),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=next_pow2(d, 16), BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PRECISION=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SKIP_SINGLE=skip_single, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
