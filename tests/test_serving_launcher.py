@@ -1,0 +1,47 @@
+"""Launcher pieces that need no server: parameter substitution, repository materialisation,
+environment overrides, typed engine settings."""
+from pathlib import Path
+
+import pytest
+
+from pagedbackend.serving.launcher import (MODEL_REPOSITORY, env_overrides,
+                                           materialize_repository, set_parameter)
+from pagedbackend.serving.settings import engine_config, parameters_of
+
+
+def test_set_parameter_replaces_or_appends():
+    text = 'parameters: { key: "block_size" value: { string_value: "16" } }\n'
+    assert 'string_value: "32"' in set_parameter(text, "block_size", "32")
+    added = set_parameter(text, "dtype", 'a"b')
+    assert 'key: "dtype" value: { string_value: "a\\"b" }' in added
+
+
+def test_materialize_substitutes_engine_settings(tmp_path):
+    out = materialize_repository(tmp_path / "repo", {"max_model_len": "1024", "model": "m/x"})
+    engine = (out / "engine" / "config.pbtxt").read_text()
+    assert 'key: "max_model_len" value: { string_value: "1024" }' in engine
+    model = str((MODEL_REPOSITORY.parent / "m/x").resolve())
+    assert f'string_value: "{model}"' in engine
+    assert f'string_value: "{model}"' in (out / "tokenizer" / "config.pbtxt").read_text()
+    for name in ("tokenizer", "engine", "detokenizer", "stream_guard", "ensemble"):
+        assert (out / name / "1").resolve() == (MODEL_REPOSITORY / name / "1").resolve()
+
+
+def test_env_overrides():
+    env = {"PAGEDBACKEND_BLOCK_SIZE": "32", "PAGEDBACKEND_DTYPE": "", "OTHER": "1"}
+    assert env_overrides(env) == {"block_size": "32"}
+
+
+def test_engine_config_from_parameters():
+    params = parameters_of({"parameters": {
+        "model": {"string_value": "models/x"}, "block_size": {"string_value": "32"},
+        "enable_prefix_caching": {"string_value": "false"},
+        "max_model_len": {"string_value": "${max_model_len}"},      # unfilled template: default
+        "served_model_name": {"string_value": "smol"}}})
+    cfg = engine_config(params, Path("/repo"))
+    assert (cfg.model, cfg.block_size, cfg.enable_prefix_caching, cfg.max_model_len) == \
+        ("/repo/models/x", 32, False, None)
+    with pytest.raises(ValueError, match="block_size"):
+        engine_config({"model": "x", "block_size": "big"}, Path("/"))
+    with pytest.raises(ValueError, match="block_size"):
+        engine_config({"model": "x", "block_size": "3"}, Path("/"))

@@ -1,0 +1,245 @@
+"""The engine model's threads (EngineLoop) with a fake engine and fake response senders:
+deltas, exactly one final per request on success / error / cancel / engine death, and the
+context ids the detokenizer needs (checked with a SentencePiece-style byte-fallback tokenizer)."""
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from pagedbackend.engine.detokenizer import decode_delta
+from pagedbackend.outputs import CompletionOutput, RequestOutput
+from pagedbackend.sampling_params import SamplingParams
+from pagedbackend.serving.engine_loop import EngineLoop
+from pagedbackend.serving.request import ParsedRequest
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt: list
+    params: SamplingParams
+    out: list = field(default_factory=list)
+    aborted: bool = False
+
+
+class FakeEngine:
+    """Emits the token ids of `script` (or 100, 101, ...) one per step; `fail_at` raises."""
+
+    def __init__(self, script=None, fail_at=None):
+        self.reqs, self.script, self.fail_at, self.steps = {}, script, fail_at, 0
+        self.aborted = []
+        self.tokenizer = None
+
+    def add_request(self, rid, prompt, params, priority=0, cache_salt=None, detokenize=True,
+                    arrival_time=None):
+        if prompt == "bad":
+            raise ValueError("prompt='bad' is invalid: must be good")
+        ids = list(prompt) if isinstance(prompt, list) else [1, 2, 3]
+        self.reqs[rid] = _Req(rid, ids, params)
+
+    def has_unfinished(self):
+        return bool(self.reqs)
+
+    def abort(self, ids):
+        for rid in ids:
+            self.reqs[rid].aborted = True
+            self.aborted.append(rid)
+
+    def stats(self):
+        return None
+
+    def step(self):
+        self.steps += 1
+        if self.fail_at is not None and self.steps >= self.fail_at:
+            raise RuntimeError("device lost")
+        outs = []
+        for rid, r in list(self.reqs.items()):
+            reason, delta = None, []
+            if r.aborted:
+                reason = "abort"
+            else:
+                n = len(r.out)
+                delta = [self.script[n] if self.script else 100 + n]
+                r.out += delta
+                if len(r.out) >= r.params.max_tokens:
+                    reason = "length"
+            text = "".join(f"<{t}>" for t in delta)
+            outs.append(RequestOutput(rid, None, r.prompt, [CompletionOutput(
+                0, "", list(r.out), None, None, reason, None, delta, text)], reason is not None))
+            if reason:
+                del self.reqs[rid]
+        return outs
+
+
+class Sender:
+    def __init__(self):
+        self.items, self.cancelled, self.done = [], False, threading.Event()
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+def run_loop(engine, **kw):
+    def send(handle, item):
+        handle.items.append(item)
+        if item.final:
+            handle.done.set()
+    return EngineLoop(engine, send, log=lambda m: None, cancel_poll_s=0.01, **kw).start()
+
+
+def req(prompt="p", stream=True, max_tokens=4, stop=()):
+    return ParsedRequest(prompt=prompt if isinstance(prompt, str) else None,
+                         prompt_token_ids=prompt if isinstance(prompt, list) else None,
+                         params=SamplingParams(max_tokens=max_tokens, stop=list(stop)),
+                         stream=stream)
+
+
+def finals(sender):
+    return [i for i in sender.items if i.final]
+
+
+def test_stream_sends_deltas_and_one_final():
+    loop = run_loop(FakeEngine())
+    s = Sender()
+    loop.submit(s, req(prompt=[5, 6, 7, 8, 9, 10, 11, 12], max_tokens=3))
+    assert s.done.wait(5)
+    loop.shutdown()
+    assert [i.chunk.token_ids for i in s.items] == [[100], [101], [102]]
+    assert len(finals(s)) == 1 and s.items[-1].chunk.finish_reason == "length"
+    # context = the 6 ids before each delta (prompt tail first)
+    assert s.items[0].chunk.context_ids == [7, 8, 9, 10, 11, 12]
+    assert s.items[2].chunk.context_ids == [9, 10, 11, 12, 100, 101]
+    assert all(i.chunk.text is None for i in s.items)     # no stop strings: ids only
+    assert s.items[0].chunk.num_input_tokens == 8
+
+
+def test_non_stream_sends_exactly_one_response():
+    loop = run_loop(FakeEngine())
+    s = Sender()
+    loop.submit(s, req(stream=False, max_tokens=4, stop=["zz"]))
+    assert s.done.wait(5)
+    loop.shutdown()
+    assert len(s.items) == 1 and s.items[0].final
+    c = s.items[0].chunk
+    assert c.token_ids == [100, 101, 102, 103] and c.num_output_tokens == 4
+    assert c.text == "<100><101><102><103>"                # engine-made text (stop strings)
+
+
+def test_engine_validation_error_is_one_invalid_final_and_others_continue():
+    loop = run_loop(FakeEngine())
+    bad, good = Sender(), Sender()
+    loop.submit(bad, req(prompt="bad"))
+    loop.submit(good, req(max_tokens=2))
+    assert bad.done.wait(5) and good.done.wait(5)
+    loop.shutdown()
+    assert len(bad.items) == 1 and bad.items[0].error_kind == "invalid"
+    assert "prompt='bad' is invalid" in bad.items[0].error
+    assert len(finals(good)) == 1 and good.items[-1].chunk.finish_reason == "length"
+
+
+def test_cancel_aborts_within_a_step_and_sends_one_final():
+    engine = FakeEngine()
+    loop = run_loop(engine)
+    s, other = Sender(), Sender()
+    loop.submit(s, req(max_tokens=10_000))
+    loop.submit(other, req(max_tokens=50))
+    deadline = time.time() + 5
+    while len(s.items) < 3 and time.time() < deadline:
+        time.sleep(0.001)
+    s.cancelled = True
+    assert s.done.wait(5)
+    assert other.done.wait(5)
+    loop.shutdown()
+    assert len(finals(s)) == 1 and s.items[-1].error_kind == "cancelled"
+    assert engine.aborted and len(s.items) < 10_000
+    assert other.items[-1].chunk.finish_reason == "length" and len(finals(other)) == 1
+
+
+def test_stop_by_key_cancels_and_answers_the_stop_request():
+    engine = FakeEngine()
+    loop = run_loop(engine)
+    s, stopper = Sender(), Sender()
+    loop.submit(s, req(max_tokens=10_000), key="k1")
+    while not s.items:
+        time.sleep(0.001)
+    loop.stop("k1", stopper)
+    loop.stop("unknown", None)
+    assert s.done.wait(5)
+    loop.shutdown()
+    assert s.items[-1].error_kind == "cancelled" and len(finals(s)) == 1
+    assert len(stopper.items) == 1 and stopper.items[0].final and stopper.items[0].chunk is None
+
+
+def test_engine_death_fails_open_and_new_requests_once():
+    dead = threading.Event()
+    loop = run_loop(FakeEngine(fail_at=3), on_dead=dead.set)
+    a, b = Sender(), Sender()
+    loop.submit(a, req(max_tokens=100))
+    loop.submit(b, req(max_tokens=100))
+    assert a.done.wait(5) and b.done.wait(5) and dead.wait(5)
+    assert not loop.alive
+    late = Sender()
+    loop.submit(late, req())
+    assert late.done.wait(5)
+    loop.shutdown()
+    for s in (a, b, late):
+        assert len(finals(s)) == 1 and s.items[-1].error_kind == "unavailable"
+
+
+def test_shutdown_closes_open_requests():
+    loop = run_loop(FakeEngine())
+    s = Sender()
+    loop.submit(s, req(max_tokens=10**6))
+    while not s.items:
+        time.sleep(0.001)
+    loop.shutdown()
+    assert len(finals(s)) == 1 and s.items[-1].error_kind == "unavailable"
+
+
+def _sentencepiece_style_tokenizer():
+    """A byte-fallback BPE with a Metaspace ("▁") pre-tokenizer, like Llama-2 / Mistral."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    for piece in ["▁", "h", "e", "l", "o", "w", "r", "d", "c", "a", "f", "▁h", "▁he", "▁hel",
+                  "▁hell", "▁hello", "▁w", "▁wo", "▁wor", "▁worl", "▁world", "▁c", "▁ca",
+                  "▁caf"]:
+        vocab.setdefault(piece, len(vocab))
+    merges = [("▁", "h"), ("▁h", "e"), ("▁he", "l"), ("▁hel", "l"), ("▁hell", "o"), ("▁", "w"),
+              ("▁w", "o"), ("▁wo", "r"), ("▁wor", "l"), ("▁worl", "d"), ("▁", "c"),
+              ("▁c", "a"), ("▁ca", "f")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@pytest.mark.parametrize("text", [
+    "hello world, café ok",
+    pytest.param("hello world café 世界 🙂 hello", marks=pytest.mark.xfail(
+        reason="decode_delta: a 6-id context that starts inside a multi-byte character and "
+               "ends in an incomplete one decodes to only U+FFFD, which rstrip removes "
+               "entirely (reported to the engine owner)")),
+    pytest.param("héllo wörld 🙂🙂 ok", marks=pytest.mark.xfail(
+        reason="same decode_delta limitation with byte-fallback tokens")),
+])
+def test_chunks_detokenize_exactly_on_any_instance(text):
+    """The loop's context ids + decode_delta, each delta decoded by a fresh call (as by one of
+    several detokenizer instances), concatenate to the whole text."""
+    tok = _sentencepiece_style_tokenizer()
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.convert_ids_to_tokens(i).startswith("<0x") for i in ids)  # byte fallback used
+    prompt, output = [ids[0]], ids[1:]
+    loop = run_loop(FakeEngine(script=output))
+    s = Sender()
+    loop.submit(s, req(prompt=prompt, max_tokens=len(output)))
+    assert s.done.wait(5)
+    loop.shutdown()
+    streamed = "".join(decode_delta(tok, i.chunk.context_ids, i.chunk.token_ids)
+                       for i in s.items)
+    whole = tok.decode(ids, clean_up_tokenization_spaces=False)
+    head = tok.decode(prompt, clean_up_tokenization_spaces=False)
+    assert head + streamed == whole

@@ -1,0 +1,100 @@
+"""Request parsing for the Triton models, from plain numpy dicts (no Triton needed)."""
+import json
+
+import numpy as np
+import pytest
+
+from pagedbackend.serving.request import RequestError, check_single_batch, parse_request
+
+
+def s(*values):
+    return np.array([[v.encode() for v in values]], dtype=object)
+
+
+def i32(v):
+    return np.array([[v]], dtype=np.int32)
+
+
+def f32(v):
+    return np.array([[v]], dtype=np.float32)
+
+
+def test_defaults_and_tensors():
+    r = parse_request({"text_input": s("hi")})
+    assert r.prompt == "hi" and r.prompt_token_ids is None
+    assert r.exclude_input_in_output is True and r.stream is False and r.priority == 0
+    r = parse_request({"text_input": s("hi"), "max_tokens": i32(7), "temperature": f32(0.5),
+                       "top_k": i32(3), "top_p": f32(0.9), "stream": np.array([[True]]),
+                       "seed": np.array([[2**63 + 5]], dtype=np.uint64),
+                       "stop_words": s("a", "bc"), "ignore_eos": np.array([[True]]),
+                       "priority": i32(-2), "cache_salt": s("salt")})
+    p = r.params
+    assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.stop, p.ignore_eos) == \
+        (7, 0.5, 3, 2**63 + 5, ["a", "bc"], True)
+    assert r.stream and r.priority == -2 and r.cache_salt == "salt"
+
+
+def test_aliases_min_length_and_random_seed():
+    r = parse_request({"text_input": s("x"), "min_length": i32(3), "max_tokens": i32(5),
+                       "random_seed": np.array([[9]], dtype=np.uint64)})
+    assert r.params.min_tokens == 3 and r.params.seed == 9
+
+
+def test_sampling_parameters_json_strings_and_precedence():
+    sp = json.dumps({"temperature": "0.25", "max_tokens": "12", "stop": ["x"],
+                     "ignore_eos": "true", "top_k": 5})
+    r = parse_request({"text_input": s("x"), "sampling_parameters": s(sp), "top_k": i32(2)},
+                      {"max_tokens": "3", "temperature": 1.5})
+    # request parameters < JSON < separate tensors
+    assert (r.params.temperature, r.params.max_tokens, r.params.top_k) == (0.25, 12, 2)
+    assert r.params.stop == ["x"] and r.params.ignore_eos is True
+
+
+@pytest.mark.parametrize("inputs, field", [
+    ({"temperature": f32(-1.0)}, "temperature"),
+    ({"top_p": f32(0.0)}, "top_p"),
+    ({"top_k": i32(0)}, "top_k"),
+    ({"min_p": f32(1.5)}, "min_p"),
+    ({"repetition_penalty": f32(0.0)}, "repetition_penalty"),
+    ({"presence_penalty": f32(3.0)}, "presence_penalty"),
+    ({"frequency_penalty": f32(-3.0)}, "frequency_penalty"),
+    ({"max_tokens": i32(0)}, "max_tokens"),
+    ({"max_tokens": i32(2147483647)}, "max_tokens"),
+    ({"max_tokens": i32(4), "min_tokens": i32(9)}, "min_tokens"),
+    ({"sampling_parameters": s("{not json")}, "sampling_parameters"),
+    ({"sampling_parameters": s('{"bogus": 1}')}, "sampling_parameters.bogus"),
+    ({"sampling_parameters": s('{"n": 2}')}, "n="),
+    ({"sampling_parameters": s('{"max_tokens": "many"}')}, "sampling_parameters.max_tokens"),
+    ({"temperature": s("hot")}, "temperature"),
+    ({"max_tokens": f32(3.0)}, "max_tokens"),
+    ({"max_tokens": np.array([[1, 2]], dtype=np.int32)}, "max_tokens"),
+])
+def test_bad_values_name_the_field(inputs, field):
+    with pytest.raises(RequestError) as e:
+        parse_request({"text_input": s("x"), **inputs})
+    assert field in str(e.value)
+
+
+def test_absurd_max_tokens_message_gives_the_range():
+    with pytest.raises(RequestError, match=r"max_tokens=2147483647 is invalid: must be an integer"):
+        parse_request({"text_input": s("x"), "max_tokens": i32(2147483647)})
+
+
+def test_prompt_forms():
+    with pytest.raises(RequestError, match="text_input is missing"):
+        parse_request({"max_tokens": i32(3)})
+    with pytest.raises(RequestError, match="text_input is empty"):
+        parse_request({"text_input": s("")})
+    r = parse_request({"input_ids": np.array([[1, 2, 3]], dtype=np.int32), "text_input": s("t")})
+    assert r.prompt_token_ids == [1, 2, 3] and r.prompt == "t"
+    assert r.engine_prompt() == [1, 2, 3]
+    with pytest.raises(RequestError, match="input_ids"):
+        parse_request({"input_ids": np.array([[-1]], dtype=np.int32)})
+    with pytest.raises(RequestError, match="input_ids"):
+        parse_request({"input_ids": np.zeros((1, 0), dtype=np.int32)})
+
+
+def test_batch_of_two_is_rejected():
+    with pytest.raises(RequestError, match="batch size 2"):
+        check_single_batch({"text_input": np.array([[b"a"], [b"b"]], dtype=object)})
+    check_single_batch({"text_input": s("a"), "max_tokens": None})
