@@ -143,17 +143,17 @@ def bench_elementwise():
         res = torch.randn_like(x)
         w = torch.randn(HIDDEN, device=DEVICE, dtype=DT)
         tt = bench(lambda: kernels.fused_add_rms_norm(x, res, w, 1e-5))
-        tr = bench(lambda: torch_norm.fused_add_rms_norm(x, res, w, 1e-5))
+        tr = bench(lambda: torch_norm.fused_add_rms_norm_torch(x, res, w, 1e-5))
         row(f"fused_add_rms_norm T={t}", tt, tr,
             f"{5 * x.numel() * 2 / (tt * 1e-3) / 1e9:7.0f} GB/s")
         tt = bench(lambda: kernels.rms_norm(x, w, 1e-5))
-        tr = bench(lambda: torch_norm.rms_norm(x, w, 1e-5))
+        tr = bench(lambda: torch_norm.rms_norm_torch(x, w, 1e-5))
         row(f"rms_norm T={t}", tt, tr, f"{2 * x.numel() * 2 / (tt * 1e-3) / 1e9:7.0f} GB/s")
 
         cache = torch_rotary.build_cos_sin_cache(D, 8192, 500000.0, None, DT, DEVICE)
         pos = torch.randint(0, 8192, (q.shape[0],), device=DEVICE)
         tt = bench(lambda: kernels.apply_rotary(q, k, pos, cache))
-        tr = bench(lambda: torch_rotary.apply_rotary(q, k, pos, cache))
+        tr = bench(lambda: torch_rotary.apply_rotary_torch(q, k, pos, cache))
         row(f"rotary T={t}", tt, tr,
             f"{2 * (q.numel() + k.numel()) * 2 / (tt * 1e-3) / 1e9:7.0f} GB/s")
 

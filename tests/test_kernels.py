@@ -211,16 +211,16 @@ def test_rms_norm_matches_reference(dtype):
     res = torch.randn(rows, n, device=DEV).to(dtype)
     w = (1 + 0.1 * torch.randn(n, device=DEV)).to(dtype)
     tol = EXACTISH[dtype]
-    assert rel_err(kernels.rms_norm(x, w, 1e-6), torch_norm.rms_norm(x, w, 1e-6)) < tol
+    assert rel_err(kernels.rms_norm(x, w, 1e-6), torch_norm.rms_norm_torch(x, w, 1e-6)) < tol
     out, new_res = kernels.fused_add_rms_norm(x, res, w, 1e-5)
-    ref, ref_res = torch_norm.fused_add_rms_norm(x, res, w, 1e-5)
+    ref, ref_res = torch_norm.fused_add_rms_norm_torch(x, res, w, 1e-5)
     assert torch.equal(new_res, ref_res) if CUDA or dtype != torch.bfloat16 \
         else rel_err(new_res, ref_res) < tol
     assert rel_err(out, ref) < tol
     # Qwen3's per-head q/k norm: a 3-D input normalized over its last dim.
     xh = torch.randn(7, 4, 32 if not CUDA else 128, device=DEV).to(dtype)
     wh = torch.rand(xh.shape[-1], device=DEV).to(dtype) + 0.5
-    assert rel_err(kernels.rms_norm(xh, wh, 1e-6), torch_norm.rms_norm(xh, wh, 1e-6)) < tol
+    assert rel_err(kernels.rms_norm(xh, wh, 1e-6), torch_norm.rms_norm_torch(xh, wh, 1e-6)) < tol
 
 
 def _rotary_ref_fp32(x, positions, cache):
@@ -236,7 +236,7 @@ def test_rotary_matches_reference(dtype):
     positions = torch.randint(0, 4096, (t,), device=DEV)
     qkv = torch.randn(t, hq + 2 * hkv, d, device=DEV).to(dtype)
     q, k, _ = qkv.split([hq, hkv, hkv], dim=1)                      # strided views, as in models
-    ref_q, ref_k = torch_rotary.apply_rotary(q.clone(), k.clone(), positions, cache)
+    ref_q, ref_k = torch_rotary.apply_rotary_torch(q.clone(), k.clone(), positions, cache)
     exact_q, exact_k = _rotary_ref_fp32(q, positions, cache), _rotary_ref_fp32(k, positions, cache)
     out_q, out_k = kernels.apply_rotary(q, k, positions, cache)
     assert out_q.data_ptr() == q.data_ptr()                          # in place

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from pagedbackend.layers.norm import USE_KERNELS
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -52,6 +54,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k [T, Hkv, D], positions [T] -> rotated (q, k), same shapes and dtype."""
+    """q [T, Hq, D], k [T, Hkv, D], positions [T] -> rotated (q, k), same shapes and dtype.
+
+    On CUDA the triton kernel rotates q and k in place (they are views of this step's fused
+    qkv output, used by nothing else)."""
+    if q.is_cuda and USE_KERNELS:
+        from pagedbackend.kernels.rotary import apply_rotary as kernel
+        return kernel(q, k, positions, cos_sin_cache)
+    return apply_rotary_torch(q, k, positions, cos_sin_cache)
+
+
+def apply_rotary_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                       cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)   # [T, 1, D/2] each
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
