@@ -152,6 +152,7 @@ class TritonServer:
             # Explicit mode so a model whose engine died can unload itself (goes not-ready).
             "--model-control-mode", "explicit", "--load-model", "*",
             "--allow-cpu-metrics", "true", "--log-verbose", str(log_verbose),
+            "--exit-timeout-secs", "10",
             *extra_args]
         self.proc: Optional[subprocess.Popen] = None
 

@@ -38,7 +38,8 @@ class TritonPythonModel:
             except RequestError as e:
                 texts.append("")
                 errors.append(str(e))
-        encoded = self.tokenizer([t for t, e in zip(texts, errors) if e is None])["input_ids"]
+        valid = [t for t, e in zip(texts, errors) if e is None]
+        encoded = self.tokenizer(valid)["input_ids"] if valid else []
         responses, it = [], iter(encoded)
         for error in errors:
             if error is not None:

@@ -1,0 +1,78 @@
+"""A real tritonserver on the real SmolLM2 model, started once per test session on free ports
+(so the suite runs beside a `make serve`), with helpers to read /metrics and call HTTP."""
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pagedbackend.serving.launcher import TritonServer, free_port, materialize_repository
+
+# Small enough to start fast on 2 CPU cores; big enough for the tests' prompts.
+TEST_ENGINE_SETTINGS = {"max_model_len": "1024", "max_num_seqs": "32"}
+
+
+@pytest.fixture(scope="session")
+def triton(smollm2_dir):
+    work = Path(tempfile.mkdtemp(prefix="pagedbackend-triton-test-"))
+    repo = materialize_repository(work / "repo", {"model": smollm2_dir, **TEST_ENGINE_SETTINGS})
+    server = TritonServer(repo, work, free_port(), free_port(), free_port())
+    log = open(work / "tritonserver.log", "w")
+    server.start(stdout=log, stderr=log)
+    try:
+        server.wait_ready(timeout=300)
+    except Exception:
+        server.stop()
+        log.close()
+        tail = (work / "tritonserver.log").read_text()[-4000:]
+        pytest.fail(f"tritonserver did not start:\n{tail}")
+    server.log_path = work / "tritonserver.log"
+    yield server
+    server.stop()
+    log.close()
+
+
+def metrics(server) -> str:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+        return r.read().decode()
+
+
+def metric_value(text: str, name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        m = re.match(r"^([^{\s]+)(\{[^}]*\})?\s+(\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+            found = True
+    if not found:
+        raise KeyError(f"{name}{labels} not in /metrics")
+    return total
+
+
+def http_post(server, path: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://{server.http_url}{path}",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def http_ready(server, model: str = "") -> bool:
+    path = f"/v2/models/{model}/ready" if model else "/v2/health/ready"
+    try:
+        with urllib.request.urlopen(f"http://{server.http_url}{path}", timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
