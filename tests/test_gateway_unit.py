@@ -437,7 +437,8 @@ def test_disconnect_cancels_backend_streams(fake, stream):
     async def go():
         await _call_and_disconnect(app, "/v1/completions",
                                    {**COMP, "n": 2, "stream": stream, "max_tokens": 200}, 0.3)
-        await asyncio.sleep(0.1)
+        for _ in range(5):   # closed at once, not whenever the garbage collector runs
+            await asyncio.sleep(0)
 
     asyncio.run(go())
     assert len(fake.closed) == 2 and not fake.finished
@@ -482,3 +483,32 @@ def test_parse_logprobs_both_shapes():
                                     "4": {"logprob": -0.5, "decoded_token": "was"}}]))
     assert b[0].token == "is" and b[0].top[0] == ("was", -0.5)
     assert np.isclose(b[0].logprob, -1.0)
+
+
+def test_triton_backend_streams_from_triton_and_merges_for_non_streaming_clients():
+    from client.openai_gateway.backend import BackendRequest
+    b = TritonBackend("127.0.0.1:1")
+    closed = []
+
+    async def responses(req):
+        try:
+            for i, piece in enumerate(["Pa", "ris", " 東京"]):
+                yield Chunk(piece, "stop" if i == 2 else None, 4, i + 1)
+        finally:
+            closed.append(req.request_id)
+
+    b._responses = responses
+
+    async def collect(stream):
+        return [c async for c in b.generate(BackendRequest("r", "p", {}, stream=stream))]
+
+    (whole,) = asyncio.run(collect(False))
+    assert (whole.text, whole.finish_reason, whole.num_output_tokens) == ("Paris 東京", "stop", 3)
+    assert [c.text for c in asyncio.run(collect(True))] == ["Pa", "ris", " 東京"]
+
+    async def leave_early():
+        gen = b.generate(BackendRequest("early", "p", {}, stream=True))
+        await gen.__anext__()
+        await gen.aclose()
+    asyncio.run(leave_early())
+    assert closed[-1] == "early"

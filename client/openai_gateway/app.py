@@ -94,10 +94,7 @@ def create_app(backend: Backend, served_names: list[str], api_key: Optional[str]
         if not req.stream:
             return JSONResponse(await until_disconnect(request, gen.response(), gen))
         await until_disconnect(request, gen.start(), gen)
-        # Starlette cancels this generator when the client disconnects; closing it cancels every
-        # Triton stream of the request.
-        return StreamingResponse(gen.sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return SSEResponse(gen)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -108,6 +105,23 @@ def create_app(backend: Backend, served_names: list[str], api_key: Optional[str]
         return await generate(request, parse_chat)
 
     return app
+
+
+class SSEResponse(StreamingResponse):
+    """Server-Sent Events of one Generation. When the client disconnects Starlette cancels the
+    sending task, which leaves the event generator suspended (it would be finalised only when
+    garbage-collected): cancel the Triton streams here, at once."""
+
+    def __init__(self, gen: Generation) -> None:
+        super().__init__(gen.sse(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.cancel()
 
 
 async def read_json(request: Request, limit: int):

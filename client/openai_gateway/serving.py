@@ -104,9 +104,13 @@ class Generation:
             c.finish_reason = item.finish_reason or c.finish_reason
             yield c, item
 
-    async def close(self) -> None:
+    def cancel(self) -> None:
+        """Cancel every backend stream; each pump closes its stream as it ends."""
         for t in self._tasks:
             t.cancel()
+
+    async def close(self) -> None:
+        self.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def usage(self) -> dict:

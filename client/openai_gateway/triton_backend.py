@@ -8,6 +8,7 @@ without its own tensor travels in the `sampling_parameters` JSON instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import AsyncIterator, Optional
 
@@ -89,7 +90,10 @@ class TritonBackend:
     async def _request(self, req: BackendRequest) -> dict:
         names = await self._model_inputs()
         inputs = [self._tensor("text_input", "BYTES", [req.prompt]),
-                  self._tensor("stream", "BOOL", [req.stream]),
+                  # Always streamed from Triton, also for non-streaming clients: the ensemble
+                  # notices a cancelled request only between its steps, i.e. at a response, so
+                  # a non-streamed request would run to its end after its client left.
+                  self._tensor("stream", "BOOL", [True]),
                   self._tensor("exclude_input_in_output", "BOOL", [True])]
         extra = {}
         for field, value in req.params.items():
@@ -112,6 +116,26 @@ class TritonBackend:
                 "parameters": {"triton_enable_empty_final_response": True}}
 
     async def generate(self, req: BackendRequest) -> AsyncIterator[Chunk]:
+        """Chunks as Triton sends them, or, for `req.stream=False`, one chunk for the whole
+        output (the deltas concatenate exactly to the non-streamed text)."""
+        whole: Optional[Chunk] = None
+        async with contextlib.aclosing(self._responses(req)) as responses:
+            async for chunk in responses:
+                if req.stream:
+                    yield chunk
+                elif whole is None:
+                    whole = chunk
+                else:
+                    whole.text += chunk.text
+                    whole.finish_reason = chunk.finish_reason or whole.finish_reason
+                    whole.num_input_tokens = max(whole.num_input_tokens, chunk.num_input_tokens)
+                    whole.num_output_tokens = chunk.num_output_tokens
+                    if chunk.logprobs:
+                        whole.logprobs = (whole.logprobs or []) + chunk.logprobs
+        if whole is not None:
+            yield whole
+
+    async def _responses(self, req: BackendRequest) -> AsyncIterator[Chunk]:
         request = await self._request(req)
 
         async def one_request():

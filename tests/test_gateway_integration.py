@@ -1,0 +1,330 @@
+"""The issue's "done when" against the real stack: tritonserver with the SmolLM2 ensemble, the
+gateway as its own process (uvicorn, so disconnects are real), driven by the official openai SDK
+(sync and async), langchain-openai, and raw HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = ROOT / os.environ.get("MODEL_DIR", "models/smollm2-135m-instruct")
+KEY = "sk-integration-test-key"
+NAMES = ["smollm2", "smol-alias"]
+QUESTION = "What is the capital of France?"
+
+try:   # the Triton engineer's shared server, when it exists (one tritonserver per test session)
+    from tests.triton_fixtures import triton_server  # noqa: F401
+except ImportError:
+    @pytest.fixture(scope="module")
+    def triton_server():
+        from pagedbackend.serving.launcher import TritonServer, free_port, materialize_repository
+
+        work = Path(tempfile.mkdtemp(prefix="pagedbackend-gw-"))
+        repo = materialize_repository(work / "model_repository", {"model": str(MODEL_DIR)})
+        server = TritonServer(repo, work, free_port(), free_port(), free_port())
+        log = open(work / "tritonserver.log", "w")
+        server.start(stdout=log, stderr=subprocess.STDOUT)
+        try:
+            server.wait_ready(600)
+            yield server
+        finally:
+            server.stop()
+            log.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(triton_server):
+    """`python -m client.openai_gateway` on a free port; the key comes from the env variable."""
+    from pagedbackend.serving.launcher import free_port
+
+    assert MODEL_DIR.exists(), f"{MODEL_DIR} is missing: run `make model`"
+    port = free_port()
+    env = {**os.environ, "PAGEDBACKEND_API_KEY": KEY}
+    log = tempfile.NamedTemporaryFile("w+", prefix="gateway-", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", triton_server.grpc_url,
+         "--host", "127.0.0.1", "--port", str(port), "--tokenizer", str(MODEL_DIR),
+         "--served-model-name", *NAMES], cwd=ROOT, env=env, stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, open(log.name).read()
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "gateway not healthy: " + open(log.name).read()
+            time.sleep(0.3)
+        yield {"base": base, "metrics": triton_server.metrics_url, "log": log.name}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        text = open(log.name).read()
+        os.unlink(log.name)
+        assert KEY not in text, "the API key appeared in the gateway's log"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(MODEL_DIR))
+
+
+@pytest.fixture
+def client(gateway):
+    import openai
+    return openai.OpenAI(base_url=gateway["base"] + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture
+def aclient(gateway):
+    import openai
+    return openai.AsyncOpenAI(base_url=gateway["base"] + "/v1", api_key=KEY, max_retries=0)
+
+
+def chat_prompt(tokenizer, text=QUESTION) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def n_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+MSG = [{"role": "user", "content": QUESTION}]
+
+
+# ---- the openai SDK ------------------------------------------------------------------------
+def test_models_lists_aliases(client):
+    assert [m.id for m in client.models.list().data] == NAMES
+
+
+def test_sdk_sync_chat_and_completion_say_paris(client, tokenizer):
+    chat = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0,
+                                          max_tokens=30)
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.usage.prompt_tokens == n_tokens(tokenizer, chat_prompt(tokenizer))
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    comp = client.completions.create(model="smol-alias", prompt=chat_prompt(tokenizer),
+                                     temperature=0, max_tokens=30)
+    assert "Paris" in comp.choices[0].text and comp.model == "smol-alias"
+    # The same prompt through both endpoints, greedy: the same text.
+    assert comp.choices[0].text == chat.choices[0].message.content
+
+
+def test_sdk_sync_streaming_equals_non_streaming(client):
+    full = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0,
+                                          max_tokens=30)
+    stream = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0,
+                                            max_tokens=30, stream=True,
+                                            stream_options={"include_usage": True})
+    parts, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert "".join(parts) == full.choices[0].message.content
+    assert "Paris" in "".join(parts)
+    assert usage.model_dump() == full.usage.model_dump()
+    assert finish == full.choices[0].finish_reason
+
+
+def test_usage_equals_token_counts(client, tokenizer):
+    prompt = "Count with me: one, two, three,"
+    r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == n_tokens(tokenizer, prompt)
+    assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+    s = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True}, stream=True,
+                                  stream_options={"include_usage": True})
+    chunks = list(s)
+    assert chunks[-1].usage.completion_tokens == 12
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
+def test_sdk_async_streaming_and_not(aclient, tokenizer):
+    async def go():
+        full = await aclient.completions.create(model="smollm2", prompt=chat_prompt(tokenizer),
+                                                temperature=0, max_tokens=30)
+        stream = await aclient.chat.completions.create(model="smollm2", messages=MSG,
+                                                       temperature=0, max_tokens=30,
+                                                       stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        chat = await aclient.chat.completions.create(model="smollm2", messages=MSG,
+                                                     temperature=0, max_tokens=30)
+        await aclient.close()
+        return full.choices[0].text, text, chat.choices[0].message.content
+
+    comp, streamed, chat = asyncio.run(go())
+    assert "Paris" in comp and "Paris" in streamed and streamed == chat
+
+
+def test_n_2_returns_two_choices(client):
+    r = client.chat.completions.create(model="smollm2", messages=MSG, n=2, temperature=0.8,
+                                       seed=1, max_tokens=16)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.message.content for c in r.choices)
+    assert r.usage.completion_tokens >= 2
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    again = client.chat.completions.create(model="smollm2", messages=MSG, n=2, temperature=0.8,
+                                           seed=1, max_tokens=16)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    s = client.completions.create(model="smollm2", prompt="Once upon a time", n=2,
+                                  max_tokens=8, stream=True)
+    seen = {c.choices[0].index for c in s if c.choices}
+    assert seen == {0, 1}
+
+
+def test_multibyte_stream_concat_equals_non_stream(client):
+    prompt = "Répète exactement: 東京タワー 🚀 café 東京タワー 🚀 café 東京タワー 🚀 café"
+    kw = dict(model="smollm2", prompt=prompt, temperature=0, max_tokens=40,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)
+                       if c.choices)
+    assert streamed == full
+    assert any(ord(ch) > 127 for ch in full), f"no multi-byte output to test: {full!r}"
+
+
+# ---- LangChain ----------------------------------------------------------------------------
+def test_langchain_chat_openai(gateway):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=gateway["base"] + "/v1", api_key=KEY, model="smollm2",
+                     temperature=0, max_tokens=30, max_retries=0)
+    assert "Paris" in llm.invoke(QUESTION).content
+    assert "Paris" in "".join(chunk.content for chunk in llm.stream(QUESTION))
+
+
+# ---- auth and errors ----------------------------------------------------------------------
+def test_auth_on_every_protected_route(gateway):
+    base = gateway["base"]
+    calls = [("GET", "/v1/models", None), ("GET", "/v1/models/smollm2", None),
+             ("GET", "/version", None),
+             ("POST", "/v1/completions", {"model": "smollm2", "prompt": "Hi", "max_tokens": 2}),
+             ("POST", "/v1/chat/completions", {"model": "smollm2", "messages": MSG,
+                                               "max_tokens": 2})]
+    for method, path, body in calls:
+        r = httpx.request(method, base + path, json=body, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["message"] == "Unauthorized"
+        r = httpx.request(method, base + path, json=body, timeout=60,
+                          headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401
+        r = httpx.request(method, base + path, json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200, r.text
+    assert httpx.get(base + "/health").status_code == 200
+
+
+LONG = "word " * 12000     # beyond SmolLM2's context
+BAD = [
+    ("/v1/chat/completions", b'{"model": "smollm2", "messages": [', 400, None),
+    ("/v1/chat/completions", {"model": "smollm2"}, 400, "messages"),
+    ("/v1/completions", {"model": "smollm2", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "gpt-4o", "prompt": "Hi"}, 404, "model"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": MSG, "temperature": -1}, 400,
+     "temperature"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": MSG, "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "Hi", "max_tokens": 1_000_000}, 400,
+     "max_tokens"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "Hi", "max_tokens": 2**31}, 400,
+     "max_tokens"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": MSG, "n": 0}, 400, "n"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": MSG, "n": 100000}, 400, "n"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "Hi", "logprobs": 100}, 400, "logprobs"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": MSG, "logprobs": True,
+                              "top_logprobs": 100}, 400, "top_logprobs"),
+    ("/v1/completions", {"model": "smollm2", "prompt": LONG, "max_tokens": 4}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user",
+                                                                "content": LONG}]}, 400,
+     "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD,
+                         ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD)])
+def test_bad_requests_then_normal_service(gateway, path, body, status, param):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(gateway["base"] + path, content=content, headers=headers, timeout=120)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["param"] == param
+    if param:
+        assert param in err["message"]
+    ok = httpx.post(gateway["base"] + "/v1/completions", headers=headers, timeout=120,
+                    json={"model": "smollm2", "prompt": "Hello", "max_tokens": 3})
+    assert ok.status_code == 200
+
+
+def test_body_too_large(gateway):
+    r = httpx.post(gateway["base"] + "/v1/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "smollm2", "prompt": "x" * (5 << 20)})
+    assert r.status_code == 413
+
+
+# ---- disconnect ---------------------------------------------------------------------------
+def kv_usage(metrics_url: str) -> float:
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    values = [float(m.group(1)) for m in
+              re.finditer(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", text, re.M)]
+    assert values, "vllm:kv_cache_usage_perc is not exported"
+    return max(values)
+
+
+def wait_for(fn, timeout: float = 30.0, period: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if fn():
+            return True
+        time.sleep(period)
+    return False
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_frees_kv_blocks(gateway, stream):
+    assert wait_for(lambda: kv_usage(gateway["metrics"]) == 0.0), "KV cache busy before the test"
+    body = {"model": "smollm2", "prompt": "Tell me a very long story. " * 20, "n": 2,
+            "max_tokens": 1500, "ignore_eos": True, "stream": stream}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=60) as http:
+        if stream:
+            with http.stream("POST", gateway["base"] + "/v1/completions", json=body,
+                             headers=headers) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                for _ in range(6):
+                    next(lines)
+                assert kv_usage(gateway["metrics"]) > 0.0
+        else:   # give up on a long non-streamed request
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(gateway["base"] + "/v1/completions", json=body, headers=headers,
+                          timeout=3)
+    # Closing the connection cancels both Triton streams; the engine frees their blocks.
+    assert wait_for(lambda: kv_usage(gateway["metrics"]) == 0.0, timeout=20), \
+        "KV blocks still held after the client went away"
+    ok = httpx.post(gateway["base"] + "/v1/completions", headers=headers, timeout=120,
+                    json={"model": "smollm2", "prompt": "Hello", "max_tokens": 3})
+    assert ok.status_code == 200
