@@ -13,8 +13,9 @@ GATEWAY_PORT. Everything listens on 127.0.0.1. Ctrl-C or SIGTERM stops all it st
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,8 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def gateway_available() -> bool:
     try:
-        return importlib.util.find_spec("client.openai_gateway") is not None
-    except ImportError:
+        importlib.import_module("client.openai_gateway.app")
+        return True
+    except Exception:  # noqa: BLE001 - absent or broken: serve Triton alone
         return False
 
 
@@ -79,6 +81,7 @@ def main(argv=None) -> int:
                 child.wait(10)
             except subprocess.TimeoutExpired:
                 child.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
 
     signal.signal(signal.SIGTERM, lambda s, f: (stop(), sys.exit(0)))
     print(f"tritonserver: {' '.join(server.cmd)}", flush=True)
