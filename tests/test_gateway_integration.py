@@ -6,55 +6,33 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.triton_fixtures import metric_value, metrics, triton  # noqa: F401 (session fixture)
+
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_DIR = ROOT / os.environ.get("MODEL_DIR", "models/smollm2-135m-instruct")
 KEY = "sk-integration-test-key"
 NAMES = ["smollm2", "smol-alias"]
 QUESTION = "What is the capital of France?"
 
-try:   # the Triton engineer's shared server, when it exists (one tritonserver per test session)
-    from tests.triton_fixtures import triton_server  # noqa: F401
-except ImportError:
-    @pytest.fixture(scope="module")
-    def triton_server():
-        from pagedbackend.serving.launcher import TritonServer, free_port, materialize_repository
-
-        work = Path(tempfile.mkdtemp(prefix="pagedbackend-gw-"))
-        repo = materialize_repository(work / "model_repository", {"model": str(MODEL_DIR)})
-        server = TritonServer(repo, work, free_port(), free_port(), free_port())
-        log = open(work / "tritonserver.log", "w")
-        server.start(stdout=log, stderr=subprocess.STDOUT)
-        try:
-            server.wait_ready(600)
-            yield server
-        finally:
-            server.stop()
-            log.close()
-
-
 @pytest.fixture(scope="module")
-def gateway(triton_server):
+def gateway(triton, smollm2_dir):
     """`python -m client.openai_gateway` on a free port; the key comes from the env variable."""
     from pagedbackend.serving.launcher import free_port
 
-    assert MODEL_DIR.exists(), f"{MODEL_DIR} is missing: run `make model`"
     port = free_port()
     env = {**os.environ, "PAGEDBACKEND_API_KEY": KEY}
     log = tempfile.NamedTemporaryFile("w+", prefix="gateway-", suffix=".log", delete=False)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", triton_server.grpc_url,
-         "--host", "127.0.0.1", "--port", str(port), "--tokenizer", str(MODEL_DIR),
+        [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", triton.grpc_url,
+         "--host", "127.0.0.1", "--port", str(port), "--tokenizer", smollm2_dir,
          "--served-model-name", *NAMES], cwd=ROOT, env=env, stdout=log,
         stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -69,7 +47,7 @@ def gateway(triton_server):
                 pass
             assert time.monotonic() < deadline, "gateway not healthy: " + open(log.name).read()
             time.sleep(0.3)
-        yield {"base": base, "metrics": triton_server.metrics_url, "log": log.name}
+        yield {"base": base, "metrics": triton, "log": log.name}
     finally:
         proc.terminate()
         try:
@@ -82,9 +60,9 @@ def gateway(triton_server):
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
+def tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
 @pytest.fixture
@@ -236,7 +214,7 @@ def test_auth_on_every_protected_route(gateway):
     assert httpx.get(base + "/health").status_code == 200
 
 
-LONG = "word " * 12000     # beyond SmolLM2's context
+LONG = "word " * 12000     # beyond any context the engine is given
 BAD = [
     ("/v1/chat/completions", b'{"model": "smollm2", "messages": [', 400, None),
     ("/v1/chat/completions", {"model": "smollm2"}, 400, "messages"),
@@ -286,12 +264,8 @@ def test_body_too_large(gateway):
 
 
 # ---- disconnect ---------------------------------------------------------------------------
-def kv_usage(metrics_url: str) -> float:
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    values = [float(m.group(1)) for m in
-              re.finditer(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", text, re.M)]
-    assert values, "vllm:kv_cache_usage_perc is not exported"
-    return max(values)
+def kv_usage(server) -> float:
+    return metric_value(metrics(server), "vllm:kv_cache_usage_perc")
 
 
 def wait_for(fn, timeout: float = 30.0, period: float = 0.2) -> bool:
@@ -307,7 +281,7 @@ def wait_for(fn, timeout: float = 30.0, period: float = 0.2) -> bool:
 def test_disconnect_frees_kv_blocks(gateway, stream):
     assert wait_for(lambda: kv_usage(gateway["metrics"]) == 0.0), "KV cache busy before the test"
     body = {"model": "smollm2", "prompt": "Tell me a very long story. " * 20, "n": 2,
-            "max_tokens": 1500, "ignore_eos": True, "stream": stream}
+            "max_tokens": 800, "ignore_eos": True, "stream": stream}
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.Client(timeout=60) as http:
         if stream:

@@ -164,7 +164,8 @@ class TritonBackend:
         except BackendError:
             raise
         except Exception as e:  # noqa: BLE001 - gRPC transport errors (server gone, refused)
-            raise BackendError(f"unavailable: {getattr(e, 'details', lambda: str(e))()}") from None
+            detail = e.details() if hasattr(e, "details") else str(e)
+            raise BackendError(f"unavailable: {detail}") from None
         finally:
             if not final:
                 # The client went away (or we failed): cancelling the gRPC call makes Triton cancel
