@@ -18,6 +18,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[int]] = {}
+        self.num_cached_blocks: dict[str, int] = {}   # leading blocks already registered
         self.prefix_cache_queries = 0   # tokens looked up (vLLM counts tokens)
         self.prefix_cache_hits = 0      # tokens found
 
@@ -59,8 +60,13 @@ class KVCacheManager:
 
     def can_allocate(self, req: Request, num_new_tokens: int,
                      computed_blocks: tuple[int, ...] | list[int] = ()) -> bool:
-        return self._num_new_blocks(req, num_new_tokens, computed_blocks) <= (
-            self.pool.num_free_blocks - sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0))
+        return self._fits(self._num_new_blocks(req, num_new_tokens, computed_blocks),
+                          computed_blocks)
+
+    def _fits(self, n_new: int, computed_blocks) -> bool:
+        # Touching a cached-evictable block takes it off the free queue too.
+        evictable = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
+        return n_new <= self.pool.num_free_blocks - evictable
 
     def _num_new_blocks(self, req, num_new_tokens, computed_blocks) -> int:
         have = len(self.req_blocks.get(req.request_id, ())) + len(computed_blocks)
@@ -76,9 +82,9 @@ class KVCacheManager:
         Blocks that become full with these tokens are registered in the prefix cache right
         away: their K/V are written earlier in the same forward pass than any reader's attention.
         """
-        if not self.can_allocate(req, num_new_tokens, computed_blocks):
-            return None
         n_new = self._num_new_blocks(req, num_new_tokens, computed_blocks)
+        if not self._fits(n_new, computed_blocks):
+            return None
         self.pool.touch(computed_blocks)
         new = self.pool.allocate(n_new)
         blocks = self.req_blocks.setdefault(req.request_id, [])
@@ -86,14 +92,19 @@ class KVCacheManager:
         blocks.extend(new)
         if self.enable_caching:
             end = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-            self._update_hashes(req, end)
-            for i in range(end // self.block_size):
-                self.pool.cache_block(blocks[i], req.block_hashes[i])
+            full = end // self.block_size
+            done = self.num_cached_blocks.get(req.request_id, 0)
+            if full > done:
+                self._update_hashes(req, end)
+                for i in range(done, full):
+                    self.pool.cache_block(blocks[i], req.block_hashes[i])
+                self.num_cached_blocks[req.request_id] = full
         return new
 
     def free(self, req: Request) -> None:
         # Tail blocks first, so the least reusable (deepest) prefix blocks are evicted first.
         blocks = self.req_blocks.pop(req.request_id, [])
+        self.num_cached_blocks.pop(req.request_id, None)
         self.pool.free(reversed(blocks))
 
     def check_invariants(self, idle: bool = False) -> dict[str, int]:

@@ -30,8 +30,8 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params_list)):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p,
-                                        priority=priority[i] if priority else 0)
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0,
+                                        final_only=True)
                 ids.append(rid)
         except ValueError:
             self.engine.abort(ids)

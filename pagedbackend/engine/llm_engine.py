@@ -103,8 +103,11 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     priority: int = 0, cache_salt: Optional[str] = None,
-                    detokenize: bool = True, arrival_time: Optional[float] = None) -> None:
-        """Validate and queue a request; raises ValueError naming the bad field."""
+                    detokenize: bool = True, arrival_time: Optional[float] = None,
+                    final_only: bool = False) -> None:
+        """Validate and queue a request; raises ValueError naming the bad field.
+
+        final_only: step() reports this request once, when it finishes (offline use)."""
         params = params or SamplingParams()
         check(isinstance(request_id, str) and request_id != "", "request_id", request_id,
               "a non-empty string")
@@ -141,7 +144,8 @@ class LLMEngine:
             children.append(Request(child_id, ids, child_params, max_tokens, info.eos_token_ids,
                                     now, priority, cache_salt, info.max_model_len))
         self.outputs.add(request_id, prompt_text, ids, params, children,
-                         detokenize=detokenize and self.tokenizer is not None, arrival_time=now)
+                         detokenize=detokenize and self.tokenizer is not None, arrival_time=now,
+                         final_only=final_only)
         for child in children:
             self.scheduler.add_request(child)
 

@@ -40,6 +40,7 @@ class _Group:
     first_token_time: Optional[float] = None
     dirty: bool = False
     holdback: int = 0
+    final_only: bool = False    # offline generate: no per-step outputs, only the final one
 
     @property
     def finished(self) -> bool:
@@ -64,7 +65,7 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: Optional[str], prompt_ids: list[int],
             params: SamplingParams, children: list[Request], detokenize: bool,
-            arrival_time: float) -> None:
+            arrival_time: float, final_only: bool = False) -> None:
         want_logprobs = params.logprobs is not None
         seqs = [_Seq(c, i, logprobs=[] if want_logprobs else None,
                      cumulative_logprob=0.0 if want_logprobs else None)
@@ -74,7 +75,7 @@ class OutputProcessor:
             holdback = max(len(s) for s in params.stop) - 1
         g = _Group(request_id, prompt, prompt_ids, params, seqs,
                    build_text=detokenize or bool(params.stop), arrival_time=arrival_time,
-                   holdback=holdback)
+                   holdback=holdback, final_only=final_only)
         self.groups[request_id] = g
         for s in seqs:
             self.seq_of[s.req.request_id] = (g, s)
@@ -135,6 +136,8 @@ class OutputProcessor:
             g = self.groups[rid]
             g.dirty = False
             finished = g.finished
+            if g.final_only and not finished:
+                continue
             outputs = []
             for s in g.seqs:
                 ids = s.req.output_token_ids
