@@ -26,10 +26,10 @@ class _Req:
 class FakeEngine:
     """Emits the token ids of `script` (or 100, 101, ...) one per step; `fail_at` raises."""
 
-    def __init__(self, script=None, fail_at=None):
+    def __init__(self, script=None, fail_at=None, tokenizer=None):
         self.reqs, self.script, self.fail_at, self.steps = {}, script, fail_at, 0
         self.aborted = []
-        self.tokenizer = None
+        self.tokenizer = tokenizer
 
     def add_request(self, rid, prompt, params, priority=0, cache_salt=None, detokenize=True,
                     arrival_time=None):
@@ -219,12 +219,9 @@ def _sentencepiece_style_tokenizer():
 
 @pytest.mark.parametrize("text", [
     "hello world, café ok",
-    pytest.param("hello world café 世界 🙂 hello", marks=pytest.mark.xfail(
-        reason="decode_delta: a 6-id context that starts inside a multi-byte character and "
-               "ends in an incomplete one decodes to only U+FFFD, which rstrip removes "
-               "entirely (reported to the engine owner)")),
-    pytest.param("héllo wörld 🙂🙂 ok", marks=pytest.mark.xfail(
-        reason="same decode_delta limitation with byte-fallback tokens")),
+    "hello world café 世界 🙂 hello",
+    "héllo wörld 🙂🙂 ok",
+    "😀😀😀 日本語のテキスト ✓ fin",
 ])
 def test_chunks_detokenize_exactly_on_any_instance(text):
     """The loop's context ids + decode_delta, each delta decoded by a fresh call (as by one of
@@ -233,7 +230,7 @@ def test_chunks_detokenize_exactly_on_any_instance(text):
     ids = tok.encode(text, add_special_tokens=False)
     assert any(tok.convert_ids_to_tokens(i).startswith("<0x") for i in ids)  # byte fallback used
     prompt, output = [ids[0]], ids[1:]
-    loop = run_loop(FakeEngine(script=output))
+    loop = run_loop(FakeEngine(script=output, tokenizer=tok))
     s = Sender()
     loop.submit(s, req(prompt=prompt, max_tokens=len(output)))
     assert s.done.wait(5)

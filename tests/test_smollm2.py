@@ -71,7 +71,7 @@ def test_streamed_deltas_concatenate_to_text_with_multibyte_output(llm):
     # The stateless detokenizer (as the Triton detokenizer instances use it) agrees too.
     o = final["plain"]
     all_ids = ids + o.token_ids
-    pieces = [decode_delta(eng.tokenizer, context_for(all_ids, len(ids) + i), [t])
+    pieces = [decode_delta(eng.tokenizer, context_for(eng.tokenizer, all_ids, len(ids) + i), [t])
               for i, t in enumerate(o.token_ids)]
     assert "".join(pieces) == o.text
     assert any(ord(c) > 127 for c in o.text), o.text

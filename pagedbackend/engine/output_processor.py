@@ -96,7 +96,7 @@ class OutputProcessor:
             if not g.build_text:
                 continue
             ids = req.all_token_ids
-            delta = decode_delta(self.tokenizer, context_for(ids, len(ids) - 1), ids[-1:],
+            delta = decode_delta(self.tokenizer, context_for(self.tokenizer, ids, len(ids) - 1), ids[-1:],
                                  g.params.skip_special_tokens)
             s.text += delta
             if delta and g.params.stop and req.num_output_tokens >= g.params.min_tokens:

@@ -25,7 +25,10 @@ from typing import Any, Callable, Optional
 
 from pagedbackend.serving.request import ParsedRequest
 
-from pagedbackend.engine.detokenizer import DETOKENIZE_CONTEXT
+from pagedbackend.engine.detokenizer import DETOKENIZE_CONTEXT, MAX_EXTRA_CONTEXT, context_for
+
+# Ids kept per request so context_for can start the detokenizer's context on a clean boundary.
+_TAIL = DETOKENIZE_CONTEXT + MAX_EXTRA_CONTEXT
 
 
 @dataclass
@@ -215,10 +218,10 @@ class EngineLoop:
         if not live.started:
             live.started = True
             live.prompt_len = len(out.prompt_token_ids)
-            live.tail = list(out.prompt_token_ids[-DETOKENIZE_CONTEXT:])
-        context = live.tail
+            live.tail = list(out.prompt_token_ids[-_TAIL:])
+        context = context_for(self.engine.tokenizer, live.tail, len(live.tail))
         if new_ids:
-            live.tail = (live.tail + new_ids)[-DETOKENIZE_CONTEXT:]
+            live.tail = (live.tail + new_ids)[-_TAIL:]
             self._on_tokens(live, out, len(new_ids), now)
         finished = out.finished or comp.finish_reason is not None
         if finished and live.cancelled:
@@ -244,7 +247,8 @@ class EngineLoop:
         if text:
             live.text.append(text)
         if finished:
-            chunk = Chunk(live.ids, list(out.prompt_token_ids[-DETOKENIZE_CONTEXT:]),
+            prompt = out.prompt_token_ids
+            chunk = Chunk(live.ids, context_for(self.engine.tokenizer, prompt, len(prompt)),
                           "".join(live.text) if live.text_mode else None, comp.finish_reason,
                           live.prompt_len, len(live.ids), prefix=self._echo(live, out),
                           request_key=live.key)
