@@ -49,8 +49,9 @@ def test_greedy_matches_transformers_under_pressure(tiny):
     greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     # block_size 4, a pool that cannot hold everyone (preemption), a token budget that forces
     # chunked prefill, prefix caching on with shared prefixes.
-    llm = LLM(path, block_size=4, num_kv_blocks=40, max_num_batched_tokens=24, max_num_seqs=8,
-              max_model_len=96)
+    # float32 like the transformers reference (auto would pick bf16 on a bf16-capable CPU)
+    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_tokens=24,
+              max_num_seqs=8, max_model_len=96)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0, "the pool was meant to force preemption"
@@ -61,7 +62,8 @@ def test_greedy_matches_transformers_under_pressure(tiny):
         assert o.prompt_token_ids == p
         assert o.outputs[0].token_ids == hf_greedy(hf, p, n), f"prompt of {len(p)} tokens"
         assert o.outputs[0].finish_reason == "length"
-    alone = LLM(path, block_size=4, num_kv_blocks=64, enable_prefix_caching=False)
+    alone = LLM(path, dtype="float32", block_size=4, num_kv_blocks=64,
+                enable_prefix_caching=False)
     for p, o in zip(prompts[:3], outs):
         assert alone.generate({"prompt_token_ids": p}, greedy)[0].outputs[0].token_ids == \
             o.outputs[0].token_ids

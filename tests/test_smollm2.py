@@ -11,7 +11,15 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    return LLM(smollm2_dir, block_size=16, max_num_seqs=64)
+    # float32, like the transformers reference these tests compare with.
+    return LLM(smollm2_dir, dtype="float32", block_size=16, max_num_seqs=64)
+
+
+def test_default_dtype_answers_paris(smollm2_dir):
+    """dtype=auto (bf16 where the CPU multiplies bf16 natively) still answers correctly."""
+    llm = LLM(smollm2_dir, max_model_len=512)
+    out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    assert "Paris" in out.text
 
 
 def test_chat_answers_paris(llm):

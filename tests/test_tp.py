@@ -19,7 +19,7 @@ from pagedbackend.testing import ARCHS, make_hf_checkpoint
 SMOLLM2 = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 # Small blocks, a small pool and a small token budget: chunked prefill, prefix hits and
 # preemption all happen while the ranks run in lockstep.
-ENGINE = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=6,
+ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=6,
               max_model_len=64)
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -162,7 +162,7 @@ def test_smollm2_tp3_matches_tp1_and_tp2_is_refused():
 
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0, max_tokens=8)
-    kwargs = dict(max_model_len=256, num_kv_blocks=64)
+    kwargs = dict(dtype="float32", max_model_len=256, num_kv_blocks=64)
     want = token_ids(LLM(str(SMOLLM2), **kwargs), prompts, params)
     llm = LLM(str(SMOLLM2), tensor_parallel_size=3, **kwargs)
     engine = llm.engine
@@ -262,7 +262,8 @@ def test_triton_engine_tp2_answers_like_tp1_and_fails_fast(tmp_path):
     make_hf_checkpoint("llama", model, vocab_size=49152, max_position_embeddings=512)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(SMOLLM2 / name, model / name)
-    settings = dict(block_size=16, num_kv_blocks=64, max_model_len=256, max_num_seqs=8)
+    settings = dict(dtype="float32", block_size=16, num_kv_blocks=64, max_model_len=256,
+                    max_num_seqs=8)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     ref = LLM(str(model), **settings)
     want = [o.outputs[0].text for o in ref.generate(

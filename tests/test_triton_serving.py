@@ -82,7 +82,7 @@ def test_chat_answer_through_every_api_matches_offline_engine(triton, tokenizer,
     assert one["num_input_tokens"] == len(tokenizer.encode(prompt))
 
     from pagedbackend import LLM, SamplingParams
-    llm = LLM(model=smollm2_dir, max_model_len=1024)
+    llm = LLM(model=smollm2_dir, max_model_len=1024, dtype="float32")
     try:
         offline = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32))
     finally:

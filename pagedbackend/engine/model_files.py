@@ -45,9 +45,14 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
+    """auto: bf16 on GPUs, and on CPUs with native bf16 matmul (as vLLM's CPU backend);
+    float32 on CPUs without it, where bf16 would be emulated and slow."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device == "cuda" else "float32"
+    if device == "cuda":
+        return "bfloat16"
+    import torch
+    return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 
 
 def _eos_ids(model_dir: str, hf_config: dict, tokenizer: Any) -> tuple[int, ...]:

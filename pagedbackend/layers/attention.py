@@ -117,17 +117,22 @@ class TorchAttentionBackend:
 
     def _decode(self, q, k_cache, v_cache, meta, scale):
         # One query per sequence: gather every sequence's blocks into a padded [B, Hkv, L, D]
-        # batch and run a single masked SDPA instead of B small ones.
+        # batch and run a single masked SDPA instead of B small ones. index_select is several
+        # times faster than advanced indexing here.
         b = meta.num_seqs
         block_size = k_cache.shape[1]
         n_blocks = (meta.max_seq_len + block_size - 1) // block_size
-        table = meta.block_tables[:, :n_blocks].long()
+        idx = meta.block_tables[:, :n_blocks].reshape(-1).long()
         length = n_blocks * block_size
-        ks = k_cache[table].flatten(1, 2).transpose(1, 2)                 # [B, Hkv, L, D]
-        vs = v_cache[table].flatten(1, 2).transpose(1, 2)
-        mask = (torch.arange(length, device=q.device)[None, :]
-                < meta.seq_lens[:, None].to(q.device))                    # [B, L]
-        o = F.scaled_dot_product_attention(q.view(b, -1, 1, q.shape[-1]), ks.to(q.dtype),
-                                           vs.to(q.dtype), attn_mask=mask[:, None, None, :],
-                                           scale=scale, enable_gqa=True)
-        return o.view(b, -1, q.shape[-1])
+        shape = (b, length) + tuple(k_cache.shape[2:])
+        ks = k_cache.index_select(0, idx).view(shape)                     # [B, L, Hkv, D]
+        vs = v_cache.index_select(0, idx).view(shape)
+        hkv, d = ks.shape[2], ks.shape[3]
+        qg = q.view(b, hkv, -1, d)                                         # [B, Hkv, G, D]
+        # Plain matmuls over the GQA groups: on CPUs they beat SDPA with a mask at these sizes.
+        scores = torch.matmul(qg, ks.permute(0, 2, 3, 1).to(q.dtype)).float() * scale
+        pad = (torch.arange(length, device=q.device)[None, :]
+               >= meta.seq_lens[:, None].to(q.device))                    # [B, L]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, vs.transpose(1, 2).to(q.dtype)).view(b, -1, d)
