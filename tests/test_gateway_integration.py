@@ -173,6 +173,22 @@ def test_n_2_returns_two_choices(client):
     assert seen == {0, 1}
 
 
+def test_logprobs_chat_and_completions(client):
+    chat = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0,
+                                          max_tokens=5, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.logprob <= 0
+        assert c.top_logprobs[0].token == c.token     # greedy picks the most likely token
+    comp = client.completions.create(model="smollm2", prompt=QUESTION, temperature=0,
+                                     max_tokens=4, logprobs=2, extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+
+
 def test_multibyte_stream_concat_equals_non_stream(client):
     prompt = "Répète exactement: 東京タワー 🚀 café 東京タワー 🚀 café 東京タワー 🚀 café"
     kw = dict(model="smollm2", prompt=prompt, temperature=0, max_tokens=40,

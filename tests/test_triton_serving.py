@@ -111,6 +111,28 @@ def test_stop_strings_cut_exactly_streaming_or_not(triton, tokenizer):  # noqa: 
     assert cut.text == full[:full.index("Paris")] == streamed.text
 
 
+def test_logprobs_output_streaming_or_not(triton, tokenizer):  # noqa: F811
+    body = {"text_input": chat(tokenizer, FRANCE), "max_tokens": 6,
+            "sampling_parameters": json.dumps({"temperature": 0, "logprobs": 2})}
+    status, raw = http_post(triton, "/v2/models/ensemble/generate", body)
+    assert status == 200, raw
+    one = json.loads(raw)
+    entries = json.loads(one["logprobs"])
+    assert len(entries) == one["num_output_tokens"] == 6
+    for e in entries:
+        assert len(e["top_logprobs"]) == 2 and e["logprob"] <= 0
+        # greedy: the sampled token is the most likely one
+        assert e["top_logprobs"][0][0] == e["token"]
+        assert abs(e["top_logprobs"][0][1] - e["logprob"]) < 1e-6
+    assert "".join(e["token"] for e in entries) == one["text_output"]
+    events = sse(triton, {**body, "stream": True})
+    streamed = [e for ev in events if ev.get("logprobs") for e in json.loads(ev["logprobs"])]
+    assert [e["token_id"] for e in streamed] == [e["token_id"] for e in entries]
+    status, raw = http_post(triton, "/v2/models/ensemble/generate",
+                            {**body, "sampling_parameters": json.dumps({"temperature": 0})})
+    assert json.loads(raw)["logprobs"] == ""       # not asked for: empty
+
+
 def test_exclude_input_in_output_false_echoes_the_prompt(triton):  # noqa: F811
     with grpc(triton) as c:
         plain = c.generate("The sky is", max_tokens=4, temperature=0.0)

@@ -16,6 +16,7 @@ Threading model:
 from __future__ import annotations
 
 import itertools
+import json
 import queue
 import threading
 import time
@@ -42,6 +43,17 @@ class Chunk:
     num_output_tokens: int            # tokens in this response (the whole output if not streaming)
     prefix: str = ""                  # the prompt text, first response only, when echoing it
     request_key: str = ""             # names the request in a later `stop` request
+    # Per token in token_ids, when the request asked for logprobs: (sampled id, its logprob,
+    # [(id, logprob), ...] the top-k best first).
+    logprobs: Optional[list] = None
+
+    def logprobs_json(self) -> str:
+        """JSON for the `logprobs` output: [{"token_id", "logprob", "top_logprobs":
+        [[id, logprob], ...]}, ...], or "" when not asked for."""
+        if self.logprobs is None:
+            return ""
+        return json.dumps([{"token_id": t, "logprob": lp, "top_logprobs": top}
+                           for t, lp, top in self.logprobs])
 
 
 @dataclass
@@ -236,7 +248,8 @@ class EngineLoop:
             first = live.num_out == len(new_ids)
             chunk = Chunk(new_ids, context, text, comp.finish_reason if finished else None,
                           live.prompt_len, len(new_ids), prefix=self._echo(live, out) if first
-                          else "", request_key=live.key)
+                          else "", request_key=live.key,
+                          logprobs=_logprobs(comp.logprobs, len(new_ids), live.req.params))
             if finished:
                 self._finish(out.request_id, Outgoing(live.handle, chunk, final=True),
                              reason=comp.finish_reason, now=now)
@@ -251,7 +264,8 @@ class EngineLoop:
             chunk = Chunk(live.ids, context_for(self.engine.tokenizer, prompt, len(prompt)),
                           "".join(live.text) if live.text_mode else None, comp.finish_reason,
                           live.prompt_len, len(live.ids), prefix=self._echo(live, out),
-                          request_key=live.key)
+                          request_key=live.key,
+                          logprobs=_logprobs(comp.logprobs, len(live.ids), live.req.params))
             self._finish(out.request_id, Outgoing(live.handle, chunk, final=True),
                          reason=comp.finish_reason, now=now)
 
@@ -347,3 +361,15 @@ class EngineLoop:
                     flagged.add(rid)
                     self._cancels.put(rid)
             flagged &= {rid for rid, _ in handles}
+
+
+def _logprobs(entries: Optional[list], n: int, params: Any) -> Optional[list]:
+    """The last n positions' logprobs as (sampled id, logprob, top-k best first)."""
+    if entries is None or params.logprobs is None:
+        return None
+    out = []
+    for d in entries[len(entries) - n:] if n else []:
+        tok, lp = next(iter(d.items()))        # the sampled token comes first
+        top = sorted(d.items(), key=lambda kv: -kv[1])[:params.logprobs]
+        out.append((tok, lp, [[t, v] for t, v in top]))
+    return out

@@ -36,6 +36,18 @@ class TritonPythonModel:
     def execute(self, requests):
         return [self._one(r) for r in requests]
 
+    def _logprobs(self, tensor) -> bytes:
+        """Engine logprobs (token ids) -> the `logprobs` output with each token's text."""
+        raw = b"" if tensor is None else tensor.reshape(-1)[0]
+        if not raw:
+            return b""
+        piece = lambda t: self.tokenizer.decode([t], clean_up_tokenization_spaces=False)
+        entries = [{"token": piece(e["token_id"]), "token_id": e["token_id"],
+                    "logprob": e["logprob"],
+                    "top_logprobs": [[piece(t), lp] for t, lp in e["top_logprobs"]]}
+                   for e in json.loads(raw)]
+        return json.dumps(entries).encode("utf-8")
+
     def _one(self, request):
         def get(name):
             t = pb_utils.get_input_tensor_by_name(request, name)
@@ -48,6 +60,8 @@ class TritonPythonModel:
                                      get("output_ids").reshape(-1).tolist(),
                                      skip_special_tokens=self.skip_special)
         text = get("prefix_text").reshape(-1)[0].decode("utf-8") + text   # echoed prompt
-        out = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object))]
+        out = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object)),
+               pb_utils.Tensor("logprobs", np.array([[self._logprobs(get("engine_logprobs"))]],
+                                                    dtype=object))]
         out += [pb_utils.Tensor(dst, get(src).reshape(1, 1)) for src, dst in PASS_THROUGH]
         return pb_utils.InferenceResponse(output_tensors=out)

@@ -9,7 +9,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 PASS_THROUGH = ("output_ids", "context_ids", "engine_text", "engine_text_valid", "prefix_text",
-                "finish_reason", "num_input_tokens", "num_output_tokens")
+                "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs")
 
 
 class TritonPythonModel:
