@@ -47,11 +47,11 @@ def gpu_tag() -> str:
     return gpu_name().replace("NVIDIA ", "").replace(" ", "-").lower()
 
 
-def write_result(workload: str, model: str, data: dict) -> str:
-    """perf/results/<workload>-<model>-<gpu>.json (also under $OUT when running remotely)."""
+def write_result(workload: str, model: str, data: dict, suffix: str = "") -> str:
+    """perf/results/<workload>-<model>-<gpu>[-<suffix>].json (also under $OUT when remote)."""
     record = {"date": datetime.date.today().isoformat(), "commit": commit(), "gpu": gpu_name(),
               "workload": workload, "model": model, **data}
-    name = f"{workload}-{model}-{gpu_tag()}.json"
+    name = f"{workload}-{model}-{gpu_tag()}{'-' + suffix if suffix else ''}.json"
     out_dirs = [os.path.join(HERE, "results")]
     if os.environ.get("OUT"):
         out_dirs.append(os.environ["OUT"])
