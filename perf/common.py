@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,12 @@ def dummy_model_dir(name: str) -> str:
     os.makedirs(d, exist_ok=True)
     shutil.copy(os.path.join(HERE, "configs", name, "config.json"), os.path.join(d, "config.json"))
     return d
+
+
+def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of `length` random token ids in [100, 10000) (valid in every model's vocab)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 10000) for _ in range(length)] for _ in range(n)]
 
 
 def commit() -> str:

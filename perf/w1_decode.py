@@ -5,9 +5,9 @@ Reports output tokens/s and MBU = weight bytes read per step x decode tokens/s /
 from __future__ import annotations
 
 import argparse
-import random
 
-from common import H200_BW, LIMITS, dummy_model_dir, print_table, timed, write_result
+from common import (H200_BW, LIMITS, dummy_model_dir, print_table, random_prompts, timed,
+                    write_result)
 
 
 def weight_bytes_per_step(model) -> int:
@@ -20,8 +20,7 @@ def weight_bytes_per_step(model) -> int:
 
 def run(llm, model_name: str, prompt_len: int = 128, output_len: int = 128) -> dict:
     from pagedbackend import SamplingParams
-    rng = random.Random(0)
-    prompt = {"prompt_token_ids": [rng.randrange(100, 10000) for _ in range(prompt_len)]}
+    prompt = {"prompt_token_ids": random_prompts(1, prompt_len)[0]}
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
     llm.engine.timing_summary(reset=True)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import random
 
-from common import LIMITS, dummy_model_dir, output_tokens, print_table, timed, write_result
+from common import (LIMITS, dummy_model_dir, output_tokens, print_table, random_prompts, timed,
+                    write_result)
 
 SHAPES = {"128-128": (128, 128, 1024), "128-2048": (128, 2048, 512), "2048-128": (2048, 128, 512)}
 
@@ -13,9 +13,7 @@ SHAPES = {"128-128": (128, 128, 1024), "128-2048": (128, 2048, 512), "2048-128":
 def run(llm, model_name: str, shape: str) -> dict:
     from pagedbackend import SamplingParams
     isl, osl, n = SHAPES[shape]
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 10000) for _ in range(isl)]}
-               for _ in range(n)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(n, isl)]
     params = SamplingParams(temperature=0, max_tokens=osl, ignore_eos=True)
     llm.engine.timing_summary(reset=True)
     outs, secs = timed(llm.generate, prompts, params)

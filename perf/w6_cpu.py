@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 
 import torch
 
-from common import ROOT, print_table, timed, write_result
+from common import ROOT, print_table, random_prompts, timed, write_result
 
 
 def main():
@@ -20,8 +19,7 @@ def main():
     from transformers import AutoModelForCausalLM
 
     from pagedbackend import LLM, SamplingParams
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 10000) for _ in range(a.len)] for _ in range(a.requests)]
+    prompts = random_prompts(a.requests, a.len)
     gen = dict(max_new_tokens=a.len, do_sample=False, pad_token_id=0)
     baselines = {}
     # transformers as loaded by default (the checkpoint's float32), and in bf16 like our engine.

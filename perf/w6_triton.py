@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from common import ROOT, print_table, timed, write_result
+from common import ROOT, print_table, random_prompts, timed, write_result
 
 
 def run_triton(model_dir: str, prompts, n_out: int, model: str) -> tuple[float, int]:
@@ -53,8 +52,7 @@ def main():
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--len", type=int, default=64)
     a = ap.parse_args()
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 10000) for _ in range(a.len)] for _ in range(a.requests)]
+    prompts = random_prompts(a.requests, a.len)
     secs_t, toks_t = run_triton(a.model_dir, prompts, a.len, "engine")
     assert toks_t == a.requests * a.len, toks_t
     from pagedbackend import LLM, SamplingParams

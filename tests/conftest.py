@@ -2,6 +2,9 @@ import os
 
 import pytest
 
+# One tritonserver for the whole session, shared by every module that asks for `triton`.
+from triton_fixtures import triton  # noqa: E402,F401
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOLLM2 = os.path.join(ROOT, "models", "smollm2-135m-instruct")
 

@@ -2,7 +2,6 @@
 import sys
 from types import SimpleNamespace
 
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from pagedbackend.core.block_pool import BlockPool, hash_block
@@ -29,9 +28,6 @@ def run_step(sched, token=7):
 
 
 def test_core_does_not_import_torch():
-    import pagedbackend.core.scheduler  # noqa: F401
-    assert "torch" not in {m.split(".")[0] for m in sys.modules
-                           if m.startswith("pagedbackend.core")}
     import subprocess
     code = ("import sys, pagedbackend.core.scheduler, pagedbackend.core.kv_cache_manager;"
             "assert 'torch' not in sys.modules, 'core imported torch'")

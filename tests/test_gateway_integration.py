@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.triton_fixtures import metric_value, metrics, triton  # noqa: F401 (session fixture)
+from triton_fixtures import metric_value, metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-integration-test-key"

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from triton_fixtures import http_post, http_ready, metric_value, metrics, triton  # noqa: F401
+from triton_fixtures import http_post, http_ready, metric_value, metrics
 
 tritonclient = pytest.importorskip("tritonclient.grpc")
-from client.triton_client import InferenceServerException, TritonLLMClient  # noqa: E402
+from client.triton_client import TritonLLMClient  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FRANCE = "What is the capital of France?"

@@ -8,14 +8,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from pagedbackend.config import EngineConfig, check
 from pagedbackend.core.kv_cache_manager import KVCacheManager
 from pagedbackend.core.request import Request, RequestStatus
 from pagedbackend.core.scheduler import Scheduler
 from pagedbackend.engine.output_processor import OutputProcessor
-from pagedbackend.engine.model_files import EngineInfo, load_model_files
+from pagedbackend.engine.model_files import load_model_files
 from pagedbackend.outputs import RequestOutput
 from pagedbackend.sampling_params import SamplingParams
 
