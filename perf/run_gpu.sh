@@ -7,7 +7,7 @@ set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-stages=${*:-"kernels correctness w1 w2 w3 bench"}
+stages=${*:-"kernels w1 w2 w3 correctness bench"}
 run() {  # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -17,7 +17,7 @@ run() {  # name seconds command...
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 for s in $stages; do
   case $s in
-    kernels) run kernels 150 python3 -m pytest -q -x tests/test_kernels.py ;;
+    kernels) run kernels 120 python3 -m pytest -q -x tests/test_kernels.py ;;
     correctness) run correctness 150 python3 perf/gpu_correctness.py ;;
     w1) run w1 120 python3 perf/w1_decode.py ;;
     w1eager) run w1eager 120 python3 perf/w1_decode.py --enforce-eager ;;
