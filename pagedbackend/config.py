@@ -41,6 +41,9 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
+    # Launch step N+1 before step N's sampled ids reach the host, so scheduling and output
+    # processing overlap the GPU. None: on for a single CUDA device, off otherwise.
+    async_scheduling: Optional[bool] = None
     max_n: int = 16                          # cap on SamplingParams.n
     distributed_backend: Optional[str] = None  # TP: nccl on cuda, gloo on cpu
 
@@ -78,6 +81,10 @@ class EngineConfig:
               self.distributed_backend, "None, 'gloo' or 'nccl'")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
+        check(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
+              "async_scheduling", self.async_scheduling, "true, false or None (auto)")
+        check(not (self.async_scheduling and self.tensor_parallel_size > 1), "async_scheduling",
+              self.async_scheduling, "off (false or None) with tensor_parallel_size > 1")
 
     @property
     def tokenizer_path(self) -> str:

@@ -23,6 +23,7 @@ def make_req(rid, prompt, max_tokens=4, t=0.0, priority=0, salt=None, **kw):
 def run_step(sched, token=7):
     """Fake model: every request that samples gets `token` (never EOS unless asked)."""
     out = sched.schedule()
+    sched.on_launched(out)
     sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
     return out, sched.update_from_output(out, sampled)
 

@@ -92,6 +92,9 @@ class KVCacheManager:
         blocks.extend(new)
         if self.enable_caching:
             end = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+            # Only blocks whose tokens are all known: a pending (in-flight) token's block is
+            # registered by a later call, once the token has landed.
+            end = min(end, req.num_tokens)
             full = end // self.block_size
             done = self.num_cached_blocks.get(req.request_id, 0)
             if full > done:

@@ -40,6 +40,11 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self._output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Sampled tokens already scheduled (their step is in flight) but not yet known: with
+        # async scheduling the next step is launched before the previous one's ids come back.
+        self.num_pending = 0
+        # Its sampling reads all earlier tokens (penalties): never launched with one in flight.
+        self.needs_all_tokens = False
         self.num_cached_tokens = -1          # prefix-cache hit on first admission; -1 = not yet
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
@@ -65,10 +70,18 @@ class Request:
         return len(self._output_token_ids)
 
     @property
+    def will_finish_by_length(self) -> bool:
+        """The pending tokens alone reach max_tokens or max_model_len: nothing to schedule."""
+        return (self.num_output_tokens + self.num_pending >= self.max_tokens
+                or self.num_tokens + self.num_pending >= self.max_model_len)
+
+    @property
     def is_finished(self) -> bool:
         return self.status.finished
 
     def append_token(self, token_id: int) -> None:
+        if self.num_pending:
+            self.num_pending -= 1
         self.all_token_ids.append(token_id)
         self._output_token_ids.append(token_id)
 

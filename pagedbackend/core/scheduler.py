@@ -27,7 +27,7 @@ class ScheduledRequest:
     @classmethod
     def of(cls, req: Request, n: int, block_ids: list[int]) -> "ScheduledRequest":
         return cls(req, n, block_ids, req.num_computed_tokens,
-                   req.num_computed_tokens + n == req.num_tokens)
+                   req.num_computed_tokens + n == req.num_tokens + req.num_pending)
 
 
 @dataclass
@@ -135,7 +135,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_pending and req.will_finish_by_length:
+                i += 1                  # its in-flight token is its last
+                continue
+            n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             while self.kv.allocate_slots(req, n) is None:
                 victim = self._pick_victim()
                 vi = self.running.index(victim)
@@ -156,6 +159,8 @@ class Scheduler:
         while (not out.preempted_req_ids and len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting.peek()
+            if req.num_pending:
+                break                   # preempted with a token in flight: admit once it lands
             computed, num_cached = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_cached
             if n > budget and not self.enable_chunked_prefill:
@@ -192,9 +197,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.push(req, front=True)
 
+    def on_launched(self, out: SchedulerOutput) -> None:
+        """The step is on its way: its tokens count as computed, and each sampling row owes one
+        token (pending) until update_from_output brings it."""
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:
+                continue
+            req.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                req.num_pending += 1
+
     def update_from_output(self, out: SchedulerOutput,
                            sampled: dict[str, int]) -> tuple[list[Request], list[Request]]:
-        """Advance scheduled requests; append sampled tokens and apply token stop rules.
+        """Append a launched step's sampled tokens and apply token stop rules.
 
         Returns (requests that got a new token, requests that finished this step).
         """
@@ -203,7 +219,6 @@ class Scheduler:
             req = s.request
             if req.is_finished or req.request_id not in self.requests:
                 continue
-            req.num_computed_tokens += s.num_new_tokens
             tok: Optional[int] = sampled.get(req.request_id) if s.samples else None
             if tok is None:
                 continue

@@ -29,18 +29,25 @@ class StepTiming:
     """Where a step's wall time goes (perf scripts read it; summed over steps)."""
     steps: int = 0
     tokens: int = 0
+    wall_s: float = 0.0          # first step start -> last step end
+    first: float = 0.0
     schedule_s: float = 0.0
     execute_s: float = 0.0       # prepare + launch + wait for the sampled ids
     postprocess_s: float = 0.0   # scheduler update + outputs (partly, until collect())
 
     def add(self, t0: float, t1: float, t2: float, t3: float, tokens: int) -> None:
+        if not self.steps:
+            self.first = t0
+        self.wall_s = t3 - self.first
         self.steps += 1
         self.tokens += tokens
         self.schedule_s += t1 - t0
         self.execute_s += t2 - t1
         self.postprocess_s += t3 - t2
 
-    def summary(self, sync_wait_s: float) -> dict:
+    def summary(self, sync_wait_s: float, gpu_busy_s: float = 0.0) -> dict:
+        """Per-step means. gpu_busy_ms (CUDA) is the device time from a step's first upload to
+        its ids being copied out; gpu_idle_fraction = 1 - busy / wall over the steps timed."""
         n = max(1, self.steps)
         host = self.schedule_s + self.execute_s + self.postprocess_s - sync_wait_s
         return {"steps": self.steps, "tokens_per_step": self.tokens / n,
@@ -48,7 +55,10 @@ class StepTiming:
                 "schedule_ms": self.schedule_s / n * 1e3,
                 "execute_ms": self.execute_s / n * 1e3,
                 "postprocess_ms": self.postprocess_s / n * 1e3,
-                "gpu_wait_ms": sync_wait_s / n * 1e3, "host_ms": host / n * 1e3}
+                "gpu_wait_ms": sync_wait_s / n * 1e3, "host_ms": host / n * 1e3,
+                "gpu_busy_ms": gpu_busy_s / n * 1e3,
+                "gpu_idle_fraction": (max(0.0, 1 - gpu_busy_s / self.wall_s)
+                                      if gpu_busy_s and self.wall_s else None)}
 
 
 @dataclass
@@ -91,13 +101,20 @@ class LLMEngine:
                                    config.enable_chunked_prefill, config.scheduling_policy)
         self.outputs = OutputProcessor(self.tokenizer)
         self.timing = StepTiming()
+        self.async_scheduling = config.async_scheduling
+        if self.async_scheduling is None:
+            self.async_scheduling = (str(info.device).startswith("cuda")
+                                     and config.tensor_parallel_size == 1)
+        self._inflight = None       # (SchedulerOutput, Launched) of the step on the device
 
     def timing_summary(self, reset: bool = False) -> dict:
         """Mean per-step split: host work vs waiting for the GPU at the one sync."""
-        out = self.timing.summary(getattr(self.runner, "sync_wait_s", 0.0))
+        out = self.timing.summary(getattr(self.runner, "sync_wait_s", 0.0),
+                                  getattr(self.runner, "gpu_busy_s", 0.0))
         if reset:
             self.timing = StepTiming()
             self.runner.sync_wait_s = 0.0
+            self.runner.gpu_busy_s = 0.0
         return out
 
     # -- requests ------------------------------------------------------------------------
@@ -141,8 +158,12 @@ class LLMEngine:
                 seed = None if params.seed is None else params.seed + i
                 child_params = params.clone(n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(Request(child_id, ids, child_params, max_tokens, info.eos_token_ids,
-                                    now, priority, cache_salt, info.max_model_len))
+            child = Request(child_id, ids, child_params, max_tokens, info.eos_token_ids,
+                            now, priority, cache_salt, info.max_model_len)
+            child.needs_all_tokens = (params.repetition_penalty != 1.0
+                                      or params.presence_penalty != 0.0
+                                      or params.frequency_penalty != 0.0)
+            children.append(child)
         self.outputs.add(request_id, prompt_text, ids, params, children,
                          detokenize=detokenize and self.tokenizer is not None, arrival_time=now,
                          final_only=final_only)
@@ -184,22 +205,46 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; returns the outputs that changed.
+
+        With async scheduling the step launched here runs on the device while the previous
+        step's sampled ids are turned into outputs, so a request's tokens arrive one call
+        later; a request that stops on a sampled token (EOS, stop string) has one extra token
+        computed and dropped."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule(time.monotonic())
         t1 = time.perf_counter()
+        prev, self._inflight = self._inflight, None
+        if prev is not None and (sched.is_empty or any(s.request.needs_all_tokens
+                                                       for s in sched.scheduled)):
+            # Nothing to overlap with, or a row whose sampling reads every earlier token
+            # (penalties): land the step in flight first.
+            self._land(*prev)
+            prev = None
         if sched.is_empty:
             return self.outputs.collect()
-        result = self.runner.execute(sched)
+        launched = self.runner.launch(sched)
+        self.scheduler.on_launched(sched)
+        if self.async_scheduling:
+            self._inflight = (sched, launched)
+        else:
+            prev = (sched, launched)
         t2 = time.perf_counter()
+        if prev is not None:
+            self._land(*prev)
+        outputs = self.outputs.collect()
+        self.timing.add(t0, t1, t2, time.perf_counter(), sched.num_scheduled_tokens)
+        return outputs
+
+    def _land(self, sched, launched) -> None:
+        """Take a launched step's sampled ids into the requests and their outputs."""
+        result = self.runner.finish(launched)
         progressed, finished = self.scheduler.update_from_output(sched, result.sampled)
         stopped = self.outputs.on_tokens(progressed, result.logprobs, time.monotonic())
         if stopped:
             finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.outputs.on_finished(finished)
         self.runner.release([r.request_id for r in finished])
-        outputs = self.outputs.collect()
-        self.timing.add(t0, t1, t2, time.perf_counter(), sched.num_scheduled_tokens)
-        return outputs
 
     def stats(self) -> EngineStats:
         return EngineStats(

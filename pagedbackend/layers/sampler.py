@@ -63,7 +63,7 @@ class SamplingMetadata:
                              f"per row ({n})")
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return _to_device(values, torch.float32, device)
 
         rand = [i for i, p in enumerate(params) if not _is_greedy(p)]
         rp = [params[i] for i in rand]
@@ -73,7 +73,7 @@ class SamplingMetadata:
             temperature = floats([p.temperature for p in rp])
         ks = [min(p.top_k, V) if p.top_k > 0 else V for p in rp]
         if any(k < V for k in ks):
-            top_k = torch.tensor(ks, dtype=torch.long, device=device)
+            top_k = _to_device(ks, torch.long, device)
             max_top_k = max(k for k in ks if k < V)
         if any(p.top_p < 1.0 for p in rp):
             top_p = floats([p.top_p for p in rp])
@@ -104,15 +104,15 @@ class SamplingMetadata:
                 mt_ids += valid
         mt_r = mt_i = None
         if mt_rows:
-            mt_r = torch.tensor(mt_rows, dtype=torch.long, device=device)
-            mt_i = torch.tensor(mt_ids, dtype=torch.long, device=device)
+            mt_r = _to_device(mt_rows, torch.long, device)
+            mt_i = _to_device(mt_ids, torch.long, device)
 
         num_logprobs = [p.logprobs for p in params]
         wanted = [k for k in num_logprobs if k is not None]
         return cls(
             num_rows=n, vocab_size=V,
             random_rows=(None if len(rand) == n
-                         else torch.tensor(rand, dtype=torch.long, device=device)),
+                         else _to_device(rand, torch.long, device)),
             num_random=len(rand), temperature=temperature, top_k=top_k, max_top_k=max_top_k,
             top_p=top_p, min_p=min_p, generators=gens, repetition_penalty=rep,
             presence_penalty=pres, frequency_penalty=freq, seen_mask=seen, output_counts=counts,
@@ -180,6 +180,15 @@ class Sampler(torch.nn.Module):
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
 
+def _to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list on the device without a sync: through pinned memory on CUDA (a plain
+    torch.tensor(..., device=cuda) would wait for all queued GPU work)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 def _is_greedy(p: SamplingParams) -> bool:
     return p.greedy or p.temperature < _GREEDY_EPS
 
@@ -189,8 +198,8 @@ def _scatter_rows(rows: list[list[int]], V: int, device: torch.device,
     """[B, V] token counts (float32) or presence (bool) of each row's ids."""
     width = max((len(r) for r in rows), default=0)
     # Pad with the out-of-vocabulary id V, written to a spare column that is then dropped.
-    ids = torch.tensor([r + [V] * (width - len(r)) for r in rows], dtype=torch.long,
-                       device=device).view(len(rows), width)
+    ids = _to_device([r + [V] * (width - len(r)) for r in rows], torch.long,
+                     device).view(len(rows), width)
     if count:
         out = torch.zeros(len(rows), V + 1, dtype=torch.float32, device=device)
         out.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
 import torch
 
 from pagedbackend.layers.attention import AttentionMetadata
@@ -77,18 +76,18 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-            seq_lens: np.ndarray, table: np.ndarray) -> torch.Tensor:
-        """Replay the graph for this batch; returns logits [bs, vocab] (a view, valid until the
-        next replay)."""
-        bs = len(tokens)
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            seq_lens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """Replay the graph for this batch (inputs already on the device; copied into the static
+        buffers in stream order); returns logits [bs, vocab] (a view, valid until the next
+        replay)."""
+        bs = tokens.shape[0]
         pb = self.bucket(bs)
-        host = lambda a: torch.from_numpy(np.ascontiguousarray(a))
-        self.input_ids[:bs].copy_(host(tokens), non_blocking=True)
-        self.positions[:bs].copy_(host(positions), non_blocking=True)
-        self.slot_mapping[:bs].copy_(host(slots), non_blocking=True)
-        self.seq_lens[:bs].copy_(host(seq_lens), non_blocking=True)
-        self.block_tables[:bs, :table.shape[1]].copy_(host(table), non_blocking=True)
+        self.input_ids[:bs].copy_(tokens, non_blocking=True)
+        self.positions[:bs].copy_(positions, non_blocking=True)
+        self.slot_mapping[:bs].copy_(slots, non_blocking=True)
+        self.seq_lens[:bs].copy_(seq_lens, non_blocking=True)
+        self.block_tables[:bs, :table.shape[1]].copy_(table, non_blocking=True)
         if pb > bs:
             self.slot_mapping[bs:pb].fill_(-1)
             self.seq_lens[bs:pb].fill_(1)

@@ -35,9 +35,13 @@ class RunnerResult:
 
 
 class HostInputs:
-    """A step's flattened inputs as numpy arrays (built on the host, copied once)."""
+    """A step's flattened inputs as numpy arrays (built on the host, copied once).
 
-    def __init__(self, tokens, positions, q_lens, starts, table, sample_rows, block_size):
+    ph_dst/ph_src: token positions whose id is still in flight (async scheduling): the
+    previous step's sampled id of row ph_src[i] goes to token ph_dst[i], on the device."""
+
+    def __init__(self, tokens, positions, q_lens, starts, table, sample_rows, block_size,
+                 ph_dst=None, ph_src=None):
         self.tokens, self.positions, self.q_lens, self.table = tokens, positions, q_lens, table
         self.sample_rows = sample_rows
         self.cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -46,6 +50,19 @@ class HostInputs:
         self.slots = (table[row_of_token, positions // block_size].astype(np.int64) * block_size
                       + positions % block_size)
         self.decode_only = len(tokens) == len(q_lens)
+        empty = np.zeros(0, np.int64)
+        self.ph_dst = empty if ph_dst is None else ph_dst
+        self.ph_src = empty if ph_src is None else ph_src
+
+
+@dataclass
+class Launched:
+    """A step whose sampled ids are on their way to the host (see ModelRunner.launch)."""
+    reqs: list                          # the requests of the sampling rows, in row order
+    ids: Optional[torch.Tensor] = None  # [R] long: pinned host copy (CUDA) or the CPU result
+    done: Any = None                    # CUDA event recorded after the copy
+    start: Any = None                   # CUDA timing event before the step's first upload
+    logprobs: Any = None
 
 
 @dataclass
@@ -88,6 +105,9 @@ class ModelRunner:
         self.num_kv_blocks = 0
         self.graphs: Optional[DecodeGraphs] = None
         self.sync_wait_s = 0.0      # time spent waiting for the GPU at the per-step sync
+        self.gpu_busy_s = 0.0       # CUDA: sum of (first upload -> ids copied) per step
+        self.prev_sampled: Optional[torch.Tensor] = None    # the last launch's sampled ids
+        self.prev_rows: dict[str, int] = {}                 # request id -> row in them
 
     # -- KV cache ------------------------------------------------------------------------
     def init_kv_cache(self, max_num_batched_tokens: int, max_model_len: int,
@@ -142,9 +162,22 @@ class ModelRunner:
         rows = sched.scheduled
         q_lens = np.fromiter((s.num_new_tokens for s in rows), np.int64, len(rows))
         starts = np.fromiter((s.start for s in rows), np.int64, len(rows))
-        tokens = np.fromiter((t for s in rows
-                              for t in s.request.all_token_ids[s.start:s.start + s.num_new_tokens]),
-                             np.int64, int(q_lens.sum()))
+        tokens: list[int] = []
+        ph_dst, ph_src = [], []
+        for s in rows:
+            ids = s.request.all_token_ids
+            end = s.start + s.num_new_tokens
+            if end > len(ids):
+                # The last token was sampled by the step still in flight (async scheduling).
+                tokens.extend(ids[s.start:])
+                if end != len(ids) + 1 or s.request.request_id not in self.prev_rows:
+                    raise RuntimeError(f"request {s.request.request_id!r} is scheduled past "
+                                       "its known tokens without a sample in flight")
+                ph_dst.append(len(tokens))
+                ph_src.append(self.prev_rows[s.request.request_id])
+                tokens.append(0)
+            else:
+                tokens.extend(ids[s.start:end])
         cu = np.concatenate([[0], np.cumsum(q_lens)])
         positions = np.arange(len(tokens)) - np.repeat(cu[:-1] - starts, q_lens)
         bs = self.block_size
@@ -153,28 +186,50 @@ class ModelRunner:
         for i, (s, nb) in enumerate(zip(rows, n_blocks)):
             table[i, :nb] = s.block_ids[:nb]
         sample_rows = [i for i, s in enumerate(rows) if s.samples]
-        return HostInputs(tokens, positions, q_lens, starts, table, sample_rows, bs)
+        return HostInputs(np.array(tokens, np.int64), positions, q_lens, starts, table,
+                          sample_rows, bs, np.array(ph_dst, np.int64), np.array(ph_src, np.int64))
+
+    def upload(self, arrays: list) -> list[torch.Tensor]:
+        """Integer numpy arrays -> int64 device tensors (same shapes) in one copy; from pinned
+        memory on CUDA, so it neither blocks the host nor waits for earlier GPU work."""
+        flat = np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays])
+        host = torch.from_numpy(flat)
+        dev = host.pin_memory().to(self.device, non_blocking=True) \
+            if self.device.type == "cuda" else host
+        out, o = [], 0
+        for a in arrays:
+            n = int(np.size(a))
+            out.append(dev[o:o + n].view(np.shape(a)))
+            o += n
+        return out
 
     def to_device(self, h: HostInputs) -> StepInputs:
-        dev = self.device
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
+        logits_idx = h.cu[1:][h.sample_rows] - 1
+        tokens, positions, slots, cu, seq_lens, table, logits_idx_d, ph_dst, ph_src = \
+            self.upload([h.tokens, h.positions, h.slots, h.cu, h.seq_lens, h.table, logits_idx,
+                         h.ph_dst, h.ph_src])
+        if len(h.ph_dst):
+            if self.prev_sampled is None:
+                raise RuntimeError("a step refers to sampled ids of a previous step that did "
+                                   "not sample")
+            tokens.index_copy_(0, ph_dst, self.prev_sampled.index_select(0, ph_src))
         meta = AttentionMetadata(
-            slot_mapping=t(h.slots), query_start_loc=t(h.cu), seq_lens=t(h.seq_lens),
-            block_tables=t(h.table), max_query_len=int(h.q_lens.max()),
+            slot_mapping=slots, query_start_loc=cu.int(), seq_lens=seq_lens.int(),
+            block_tables=table.int(), max_query_len=int(h.q_lens.max()),
             max_seq_len=int(h.seq_lens.max()), query_lens_cpu=h.q_lens.tolist(),
             seq_lens_cpu=h.seq_lens.tolist())
-        logits_idx = h.cu[1:][h.sample_rows] - 1
-        return StepInputs(t(h.tokens), t(h.positions.astype(np.int64)), meta,
-                          t(logits_idx.astype(np.int64)), h.sample_rows)
+        return StepInputs(tokens, positions, meta, logits_idx_d, h.sample_rows)
 
     def forward_logits(self, h: HostInputs) -> Optional[torch.Tensor]:
         """Logits of the rows that sample: a CUDA graph replay for decode steps, else eager.
         Tensor-parallel workers call this alone (they take part in the collectives, not in
         sampling)."""
-        if self.graphs is not None and h.decode_only and self.graphs.bucket(len(h.tokens)):
-            logits = self.graphs.run(h.tokens, h.positions, h.slots, h.seq_lens, h.table)
-            return logits if len(h.sample_rows) == len(h.tokens) else logits[h.sample_rows]
         inputs = self.to_device(h)
+        if self.graphs is not None and h.decode_only and self.graphs.bucket(len(h.tokens)):
+            m = inputs.meta
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, m.slot_mapping,
+                                     m.seq_lens, m.block_tables)
+            return logits if len(h.sample_rows) == len(h.tokens) else logits[h.sample_rows]
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         if not h.sample_rows:
             return None
@@ -182,14 +237,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerResult:
+        return self.finish(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> Launched:
+        """Queue the step's work on the device and return at once: the sampled ids follow in
+        finish(). A row whose last token is still in flight (async scheduling) reads it from
+        the previous launch's sampled ids on the device."""
         h = self.prepare(sched)
-        return self.sample(sched, h, self.forward_logits(h))
+        start = None
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        return self._sample_async(sched, h, self.forward_logits(h), start)
 
     @torch.inference_mode()
     def sample(self, sched: SchedulerOutput, h: HostInputs,
                logits: Optional[torch.Tensor]) -> RunnerResult:
+        return self.finish(self._sample_async(sched, h, logits))
+
+    def _sample_async(self, sched: SchedulerOutput, h: HostInputs,
+                      logits: Optional[torch.Tensor], start: Any = None) -> Launched:
         if logits is None:
-            return RunnerResult({})
+            self.prev_sampled, self.prev_rows = None, {}
+            return Launched([], start=start)
         reqs = [sched.scheduled[i].request for i in h.sample_rows]
         smeta = SamplingMetadata.build(
             params=[r.sampling_params for r in reqs],
@@ -199,12 +270,32 @@ class ModelRunner:
             min_tokens_stop_ids=[self._min_tokens_stop_ids(r) for r in reqs],
             vocab_size=logits.shape[-1], device=self.device)
         out = self.sampler(logits, smeta)
+        sampled = out.sampled_token_ids
+        self.prev_sampled = sampled
+        self.prev_rows = {r.request_id: i for i, r in enumerate(reqs)}
+        if self.device.type != "cuda":
+            return Launched(reqs, sampled, logprobs=out.logprobs)
+        ids = torch.empty(len(reqs), dtype=torch.long, pin_memory=True)
+        ids.copy_(sampled, non_blocking=True)
+        done = torch.cuda.Event(enable_timing=start is not None)
+        done.record()
+        return Launched(reqs, ids, done, start, out.logprobs)
+
+    def finish(self, launched: Launched) -> RunnerResult:
+        """Wait for a launched step's sampled ids (the step's one device->host sync)."""
+        if not launched.reqs:
+            return RunnerResult({})
         t0 = time.perf_counter()
-        ids = out.sampled_token_ids.tolist()        # the step's one device->host sync
+        if launched.done is not None:
+            launched.done.synchronize()
+        ids = launched.ids.tolist()
         self.sync_wait_s += time.perf_counter() - t0
+        if launched.start is not None:
+            self.gpu_busy_s += launched.start.elapsed_time(launched.done) / 1e3
+        reqs = launched.reqs
         result = RunnerResult({r.request_id: t for r, t in zip(reqs, ids)})
-        if out.logprobs is not None:
-            for r, tok, entry in zip(reqs, ids, out.logprobs.tolists()):
+        if launched.logprobs is not None:
+            for r, tok, entry in zip(reqs, ids, launched.logprobs.tolists()):
                 if entry is not None:
                     result.logprobs[r.request_id] = (entry[tok], entry)
         return result
@@ -223,7 +314,8 @@ class ModelRunner:
     @staticmethod
     def _min_tokens_stop_ids(req) -> list[int]:
         p = req.sampling_params
-        if req.num_output_tokens >= p.min_tokens:
+        # The token sampled now follows the ones still in flight.
+        if req.num_output_tokens + req.num_pending >= p.min_tokens:
             return []
         ids = list(p.stop_token_ids)
         if not p.ignore_eos:

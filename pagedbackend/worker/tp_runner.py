@@ -101,6 +101,13 @@ class TPRunner:
         self._workers.raise_if_failed()     # an aborted NCCL group may return garbage quietly
         return result
 
+    # The engine's launch/finish pair: tensor-parallel steps run synchronously.
+    def launch(self, sched: SchedulerOutput) -> RunnerResult:
+        return self.execute(sched)
+
+    def finish(self, result: RunnerResult) -> RunnerResult:
+        return result
+
     def release(self, request_ids: list[str]) -> None:
         self._workers.raise_if_failed()
         self.runner.release(request_ids)
