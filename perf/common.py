@@ -54,10 +54,21 @@ def gpu_tag() -> str:
     return gpu_name().replace("NVIDIA ", "").replace(" ", "-").lower()
 
 
+def engine_overrides() -> dict:
+    """PERF_ASYNC=0 / 1 turns async scheduling off / on for an A/B run (unset: engine default)."""
+    v = os.environ.get("PERF_ASYNC", "")
+    return {} if v == "" else {"async_scheduling": v == "1"}
+
+
 def write_result(workload: str, model: str, data: dict, suffix: str = "") -> str:
-    """perf/results/<workload>-<model>-<gpu>[-<suffix>].json (also under $OUT when remote)."""
+    """perf/results/<workload>-<model>-<gpu>[-<suffix>].json (also under $OUT when remote);
+    a run with async scheduling forced off (PERF_ASYNC=0) gets the suffix "sync"."""
     record = {"date": datetime.date.today().isoformat(), "commit": commit(), "gpu": gpu_name(),
-              "workload": workload, "model": model, **data}
+              "workload": workload, "model": model,
+              "async_scheduling": {"0": False, "1": True}.get(os.environ.get("PERF_ASYNC", ""),
+                                                              "default"), **data}
+    if os.environ.get("PERF_ASYNC") == "0":
+        suffix = f"{suffix}-sync" if suffix else "sync"
     name = f"{workload}-{model}-{gpu_tag()}{'-' + suffix if suffix else ''}.json"
     out_dirs = [os.path.join(HERE, "results")]
     if os.environ.get("OUT"):
@@ -99,3 +110,32 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
     return str(v)
+
+
+def profile_generate(llm, prompts, params, label: str, rows: int = 18, trace: bool = False) -> dict:
+    """One llm.generate under torch.profiler: the top device kernels by total time, and how
+    much of the wall time the device was busy. Prints a table; the full table goes under $OUT."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    dev_us = lambda e: getattr(e, "self_device_time_total", None) or e.self_cuda_time_total
+    # Kernels (device events), not the CPU ops that launched them (they carry the same time).
+    events = [e for e in prof.key_averages() if "CUDA" in str(e.device_type)]
+    busy_us = sum(dev_us(e) for e in events)
+    events.sort(key=dev_us, reverse=True)
+    table = [{"kernel": e.key[:70], "calls": e.count, "total_ms": dev_us(e) / 1e3,
+              "share": dev_us(e) / max(busy_us, 1)} for e in events[:rows]]
+    print_table(table, f"profile {label}: wall {wall * 1e3:.1f} ms, "
+                       f"kernels {busy_us / 1e3:.1f} ms ({busy_us / 1e4 / wall:.0f}% busy)")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"profile-{label}.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60))
+        if trace:
+            prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace-{label}.json"))
+    return {"wall_ms": wall * 1e3, "kernel_ms": busy_us / 1e3, "busy_fraction": busy_us / 1e6 / wall,
+            "top": table[:8]}

@@ -32,7 +32,8 @@ def check(arch: str, dtype: str, n: int = 256) -> dict:
     hf = hf.to("cuda", getattr(torch, dtype))
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 1024) for _ in range(rng.randrange(3, 300))] for _ in range(8)]
-    llm = LLM(d, dtype=dtype, block_size=16, max_model_len=1024)
+    # max_num_seqs=8: four decode graphs to capture per engine, not thirty
+    llm = LLM(d, dtype=dtype, block_size=16, max_model_len=1024, max_num_seqs=8)
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     batch = [o.outputs[0].token_ids for o in
              llm.generate([{"prompt_token_ids": p} for p in prompts], params)]

@@ -18,13 +18,19 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,nohea
 for s in $stages; do
   case $s in
     kernels) run kernels 120 python3 -m pytest -q -x tests/test_kernels.py ;;
-    correctness) run correctness 150 python3 perf/gpu_correctness.py ;;
-    w1) run w1 120 python3 perf/w1_decode.py ;;
+    correctness) run correctness 240 python3 perf/gpu_correctness.py ;;
+    w1) run w1 150 python3 perf/w1_decode.py --profile ;;
     w1eager) run w1eager 120 python3 perf/w1_decode.py --enforce-eager ;;
-    w2) run w2 150 python3 perf/w2_fixed.py --shapes 128-128 ;;
+    w1sync) PERF_ASYNC=0 run w1sync 120 python3 perf/w1_decode.py ;;
+    w2sync) PERF_ASYNC=0 run w2sync 150 python3 perf/w2_fixed.py --shapes 128-128 ;;
+    w3sync) PERF_ASYNC=0 run w3sync 120 python3 perf/w3_mix.py ;;
+    w2) run w2 180 python3 perf/w2_fixed.py --shapes 128-128 --profile ;;
     w2long) run w2long 300 python3 perf/w2_fixed.py --shapes 2048-128,128-2048 ;;
     w3) run w3 120 python3 perf/w3_mix.py ;;
     w5) run w5 300 python3 perf/w5_vs_transformers.py ;;
     bench) run bench 90 python3 perf/kernels_bench.py ;;
+    # W4 through Triton + the same requests offline (sources .gpu-bundle/setup.sh itself; needs
+    # models/dummy/llama-3.1-8b carried along); its own steps are cut to fit ~530 s.
+    serve) run serve 560 bash perf/w4_gpu.sh ;;
   esac
 done

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from common import (H200_BW, LIMITS, dummy_model_dir, print_table, random_prompts, timed,
-                    write_result)
+from common import (H200_BW, LIMITS, dummy_model_dir, engine_overrides, print_table,
+                    profile_generate, random_prompts, timed, write_result)
 
 
 def weight_bytes_per_step(model) -> int:
@@ -42,11 +42,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also profile 32 decode steps")
     a = ap.parse_args()
     from pagedbackend import LLM
     llm = LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
-              max_num_seqs=8, enforce_eager=a.enforce_eager)
+              **engine_overrides(), max_num_seqs=8, enforce_eager=a.enforce_eager)
     res = run(llm, a.model)
+    if a.profile:
+        from pagedbackend import SamplingParams
+        profile_generate(llm, {"prompt_token_ids": random_prompts(1, 128)[0]},
+                         SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), "W1",
+                         trace=True)
     print_table([{"workload": "W1", "model": a.model, **{k: v for k, v in res.items()
                                                          if k != "weight_bytes_per_step"}}], "W1")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from common import (LIMITS, dummy_model_dir, output_tokens, print_table, random_prompts, timed,
-                    write_result)
+from common import (LIMITS, dummy_model_dir, engine_overrides, output_tokens, print_table,
+                    profile_generate, random_prompts, timed, write_result)
 
 SHAPES = {"128-128": (128, 128, 1024), "128-2048": (128, 2048, 512), "2048-128": (2048, 128, 512)}
 
@@ -34,11 +34,17 @@ def main():
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--shapes", default="128-128,128-2048,2048-128")
     ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile 512 requests of 128/16 (prefill + decode steps)")
     a = ap.parse_args()
     from pagedbackend import LLM
     llm = LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
-              max_num_seqs=a.max_num_seqs)
+              **engine_overrides(), max_num_seqs=a.max_num_seqs)
     rows = [run(llm, a.model, s) for s in a.shapes.split(",")]
+    if a.profile:
+        from pagedbackend import SamplingParams
+        profile_generate(llm, [{"prompt_token_ids": p} for p in random_prompts(512, 128, seed=1)],
+                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), "W2")
     print_table(rows, "W2")
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import random
 
-from common import LIMITS, dummy_model_dir, output_tokens, print_table, timed, write_result
+from common import (LIMITS, dummy_model_dir, engine_overrides, output_tokens, print_table, timed,
+                    write_result)
 
 
 def requests(n: int = 256, seed: int = 0):
@@ -43,7 +44,7 @@ def main():
     a = ap.parse_args()
     from pagedbackend import LLM
     llm = LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
-              max_num_seqs=a.max_num_seqs)
+              **engine_overrides(), max_num_seqs=a.max_num_seqs)
     print_table([{"workload": "W3", "model": a.model, **run(llm, a.model)}], "W3")
 
 

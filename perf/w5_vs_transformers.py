@@ -11,7 +11,8 @@ import argparse
 import gc
 import time
 
-from common import dummy_model_dir, output_tokens, print_table, timed, write_result
+from common import (dummy_model_dir, engine_overrides, output_tokens, print_table, timed,
+                    write_result)
 from w3_mix import requests
 
 
@@ -58,7 +59,8 @@ def main():
     mdir = dummy_model_dir(a.model)
     hf = run_transformers(mdir, prompts, params, a.hf_batch_size, a.hf_max_seconds)
     from pagedbackend import LLM
-    llm = LLM(mdir, load_format="dummy", max_model_len=4096, max_num_seqs=512)
+    llm = LLM(mdir, load_format="dummy", max_model_len=4096, max_num_seqs=512,
+              **engine_overrides())
     llm.generate(prompts[:4], [p.clone(max_tokens=8) for p in params[:4]])   # warm-up
     llm.engine.timing_summary(reset=True)
     outs, secs = timed(llm.generate, prompts, params)
