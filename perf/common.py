@@ -80,6 +80,16 @@ def write_result(workload: str, model: str, data: dict, suffix: str = "") -> str
     return name
 
 
+def cuda_alloc_stats() -> dict:
+    """The caching allocator's counters: retries (cache flushed, a device sync) and raw
+    cudaMalloc/cudaFree calls since start."""
+    import torch
+    if not torch.cuda.is_available():
+        return {}
+    s = torch.cuda.memory_stats()
+    return {k: s.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+
+
 def timed(fn, *args, **kwargs):
     import torch
     if torch.cuda.is_available():
@@ -132,6 +142,13 @@ def profile_generate(llm, prompts, params, label: str, rows: int = 18, trace: bo
               "share": dev_us(e) / max(busy_us, 1)} for e in events[:rows]]
     print_table(table, f"profile {label}: wall {wall * 1e3:.1f} ms, "
                        f"kernels {busy_us / 1e3:.1f} ms ({busy_us / 1e4 / wall:.0f}% busy)")
+    # Host side: CUDA runtime calls by host time (a sync or an allocation shows up here).
+    api = sorted((e for e in prof.key_averages() if e.key.startswith("cuda")),
+                 key=lambda e: e.self_cpu_time_total, reverse=True)
+    print_table([{"runtime_call": e.key[:40], "calls": e.count,
+                  "host_ms": e.self_cpu_time_total / 1e3,
+                  "max_us": getattr(e, "cpu_time_max", 0.0)} for e in api[:10]],
+                f"profile {label}: CUDA runtime calls on the host")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"profile-{label}.txt"), "w") as f:
             f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60))

@@ -23,6 +23,8 @@ for s in $stages; do
     w1eager) run w1eager 120 python3 perf/w1_decode.py --enforce-eager ;;
     w1sync) PERF_ASYNC=0 run w1sync 120 python3 perf/w1_decode.py ;;
     w2sync) PERF_ASYNC=0 run w2sync 150 python3 perf/w2_fixed.py --shapes 128-128 ;;
+    w2syncprof) PERF_ASYNC=0 run w2syncprof 180 python3 perf/w2_fixed.py --shapes 128-128 --profile ;;
+    w2mem80) run w2mem80 150 python3 perf/w2_fixed.py --shapes 128-128 --gpu-memory-utilization 0.8 --suffix mem80 ;;
     w3sync) PERF_ASYNC=0 run w3sync 120 python3 perf/w3_mix.py ;;
     w2) run w2 180 python3 perf/w2_fixed.py --shapes 128-128 --profile ;;
     w2long) run w2long 300 python3 perf/w2_fixed.py --shapes 2048-128,128-2048 ;;
@@ -34,3 +36,7 @@ for s in $stages; do
     serve) run serve 560 bash perf/w4_gpu.sh ;;
   esac
 done
+# At most 8 files come back from a device call: everything but the result JSONs travels as one
+# archive (the JSONs are also in perf/results/ there, which does not come back).
+(cd "$out" && items=$(ls -A | grep -v '\.json$' | grep -vx logs.tgz) \
+  && [ -n "$items" ] && tar czf logs.tgz $items && rm -rf $items)

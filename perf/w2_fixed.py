@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from common import (LIMITS, dummy_model_dir, engine_overrides, output_tokens, print_table,
-                    profile_generate, random_prompts, timed, write_result)
+from common import (LIMITS, cuda_alloc_stats, dummy_model_dir, engine_overrides,
+                    output_tokens, print_table, profile_generate, random_prompts, timed,
+                    write_result)
 
 SHAPES = {"128-128": (128, 128, 1024), "128-2048": (128, 2048, 512), "2048-128": (2048, 128, 512)}
 
 
-def run(llm, model_name: str, shape: str) -> dict:
+def run(llm, model_name: str, shape: str, suffix: str = "") -> dict:
     from pagedbackend import SamplingParams
     isl, osl, n = SHAPES[shape]
     prompts = [{"prompt_token_ids": p} for p in random_prompts(n, isl)]
@@ -24,8 +25,8 @@ def run(llm, model_name: str, shape: str) -> dict:
     res = {"shape": shape, "requests": n, "seconds": secs, "output_tokens_per_s": tps,
            "total_tokens_per_s": (toks + n * isl) / secs,
            "step_split": step_split, "roofline_fraction": tps / LIMITS[f"W2-{shape}"],
-           "preemptions": llm.engine.stats().num_preemptions}
-    write_result(f"W2-{shape}", model_name, res)
+           "preemptions": llm.engine.stats().num_preemptions, "cuda_alloc": cuda_alloc_stats()}
+    write_result(f"W2-{shape}", model_name, res, suffix)
     return res
 
 
@@ -34,13 +35,16 @@ def main():
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--shapes", default="128-128,128-2048,2048-128")
     ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--suffix", default="", help="result file suffix (A/B runs)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile 512 requests of 128/16 (prefill + decode steps)")
     a = ap.parse_args()
     from pagedbackend import LLM
     llm = LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
-              **engine_overrides(), max_num_seqs=a.max_num_seqs)
-    rows = [run(llm, a.model, s) for s in a.shapes.split(",")]
+              **engine_overrides(), max_num_seqs=a.max_num_seqs,
+              gpu_memory_utilization=a.gpu_memory_utilization)
+    rows = [run(llm, a.model, s, a.suffix) for s in a.shapes.split(",")]
     if a.profile:
         from pagedbackend import SamplingParams
         profile_generate(llm, [{"prompt_token_ids": p} for p in random_prompts(512, 128, seed=1)],
