@@ -146,3 +146,15 @@ def test_streamed_deltas_abort_in_flight_and_blocks(tiny_dir):
     assert eng._inflight is None
     eng.check_invariants()
     assert eng.stats().num_used_blocks == 0
+
+
+def test_warmup_scratch_writes_do_not_change_outputs(tiny_dir):
+    """The start-up warm-up (run on CUDA, before any block is owned or cached) writes scratch
+    K/V into blocks; requests afterwards must not see it."""
+    batch = prompts(4, count=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = tokens(LLM(tiny_dir, dtype="float32", block_size=4, num_kv_blocks=64)
+                 .generate(batch, params))
+    llm = LLM(tiny_dir, dtype="float32", block_size=4, num_kv_blocks=64)
+    llm.engine.runner.warmup()
+    assert tokens(llm.generate(batch, params)) == ref

@@ -5,7 +5,9 @@ tl.dot (padded to 16 rows), the split's keys are visited BLOCK_N tokens (several
 a time through the block table, with an fp32 online softmax. With more than one split each
 program writes a normalized partial output and its log-sum-exp (base 2), and a second kernel
 merges them. The grid depends only on the batch size and the split count, never on data, so a
-decode step can be captured in a CUDA graph.
+decode step can be captured in a CUDA graph. The split count is a runtime argument (only
+split / not split is compiled in), so batches of every size share two compiled variants instead
+of compiling one per split count in the middle of serving.
 """
 from __future__ import annotations
 
@@ -49,15 +51,15 @@ def decode_config(head_dim: int) -> dict:
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                    query_start_loc_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
-                   stride_qt, stride_qh, stride_ot, stride_oh,
+                   num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                    stride_bt,
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                    PRECISION: tl.constexpr, MIXED: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -70,7 +72,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
             return
     seq_len = tl.load(seq_lens_ptr + seq)
     # Split boundaries are multiples of BLOCK_N; trailing splits of short sequences are empty.
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -112,22 +114,21 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     o = acc / safe_l[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
-        row = (seq.to(tl.int64) * NUM_Q_HEADS + heads) * NUM_SPLITS + split   # [BLOCK_G]
+        row = (seq.to(tl.int64) * NUM_Q_HEADS + heads) * num_splits + split   # [BLOCK_G]
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
-@triton.jit
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr,
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, num_splits,
                          stride_ot, stride_oh,
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         BLOCK_S: tl.constexpr, MIXED: tl.constexpr):
+                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, MIXED: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     q_row = seq
@@ -137,8 +138,8 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_pt
             return
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < NUM_SPLITS
-    row = (seq * NUM_Q_HEADS + head) * NUM_SPLITS + s
+    s_mask = s < num_splits
+    row = (seq * NUM_Q_HEADS + head) * num_splits + s
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
@@ -174,6 +175,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
     group = hq // hkv
     cfg = {**decode_config(d), **(config or {})}
+    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits={num_splits} must be in [1, {MAX_SPLITS}]"
     if num_splits > 1:
         assert part_out is not None and part_lse is not None
         assert part_out.numel() >= b * hq * num_splits * d and part_lse.numel() >= b * hq * num_splits
@@ -181,19 +183,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_out = part_lse = out           # unused by the kernel
     _decode_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc if mixed else seq_lens,
-        out, part_out, part_lse, scale * LOG2E,
+        out, part_out, part_lse, scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         NUM_Q_HEADS=hq, GROUP=group, BLOCK_G=next_pow2(group, 16),
         HEAD_DIM=d, BLOCK_D=next_pow2(d, 16), BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
+        BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, PRECISION=dot_precision(q.dtype),
         MIXED=mixed, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if num_splits > 1:
         _merge_splits_kernel[(b, hq)](
-            part_out, part_lse, out, query_start_loc if mixed else seq_lens,
+            part_out, part_lse, out, query_start_loc if mixed else seq_lens, num_splits,
             out.stride(0), out.stride(1),
-            NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=next_pow2(d, 16), NUM_SPLITS=num_splits,
-            BLOCK_S=next_pow2(num_splits, 2), MIXED=mixed, num_warps=1 if d <= 64 else 2)
+            NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=next_pow2(d, 16),
+            BLOCK_S=next_pow2(MAX_SPLITS, 2), MIXED=mixed, num_warps=1 if d <= 64 else 2)
     return out

@@ -27,7 +27,8 @@ DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 ENGINE_PARAMETERS = ("model", "block_size", "max_num_seqs", "max_model_len",
                      "max_num_batched_tokens", "gpu_memory_utilization", "tensor_parallel_size",
                      "dtype", "device", "enable_prefix_caching", "num_kv_blocks",
-                     "kv_cache_memory_bytes")
+                     "kv_cache_memory_bytes", "load_format", "enforce_eager", "seed",
+                     "async_scheduling")
 ENV_PREFIX = "PAGEDBACKEND_"
 
 
@@ -37,7 +38,10 @@ def env_overrides(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
 
 
 def find_tritonserver() -> Path:
-    """`tritonserver` from PATH (as in NVIDIA's containers), else the one in the pytriton wheel."""
+    """$TRITONSERVER if set, else `tritonserver` from PATH (as in NVIDIA's containers), else the
+    one in the pytriton wheel."""
+    if os.environ.get("TRITONSERVER"):
+        return Path(os.environ["TRITONSERVER"])
     on_path = shutil.which("tritonserver")
     if on_path:
         return Path(on_path)

@@ -125,6 +125,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
                                        self.config.max_num_seqs, max_model_len, self.block_size)
             self.graphs.capture()
+        if self.device.type == "cuda":
+            self.warmup()
         return num_blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -156,6 +158,27 @@ class ModelRunner:
         self.model.compute_logits(hidden[inputs.logits_indices])
         self.kv_caches = saved
         del hidden
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run eager steps of every shape class (decode rows alone, prefill alone, both mixed;
+        token counts of 1, a multiple of 16 and neither) so each triton kernel variant is
+        compiled at start: a first compile in the middle of serving stalls every request for
+        about a second. Writes only scratch K/V into blocks no request owns yet."""
+        bs = self.block_size
+        for q_lens in ([1, 1], [17], [16], [1, 17], [1, 1, 16], [3, 1]):
+            n = len(q_lens)
+            starts = np.full(n, 3, dtype=np.int64)
+            q = np.array(q_lens, dtype=np.int64)
+            per_row = -(-(3 + max(q_lens)) // bs)
+            table = (np.arange(n * per_row) % self.num_kv_blocks).astype(np.int32)
+            table = table.reshape(n, per_row)
+            positions = np.concatenate([np.arange(3, 3 + k) for k in q_lens])
+            h = HostInputs(np.zeros(int(q.sum()), np.int64), positions, q, starts, table,
+                           list(range(n)), bs)
+            self.forward_logits(h)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- one step ------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> HostInputs:
