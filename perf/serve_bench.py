@@ -8,6 +8,9 @@ ITL = every gap between streamed chunks, output throughput = tokens / (first sen
 
     python perf/serve_bench.py --url 127.0.0.1:8001 --model engine --request-rate 16
     python perf/serve_bench.py --start-server --num-prompts 40 --scale 0.2    # CPU smoke run
+
+--cache-salt keeps repeated runs on one server (several rates) from hitting the prefix cache
+filled by the previous run; --warmup N first sends N other requests, not measured.
 """
 from __future__ import annotations
 
@@ -58,6 +61,17 @@ def sharegpt_shaped(n: int, seed: int, scale: float = 1.0, max_len: int = 1024) 
     return out
 
 
+def make_samples(n: int, seed: int, scale: float, model: str, model_dir: str) -> list[Sample]:
+    """The W4 requests; for the ensemble the prompt ids are sent as their decoded text."""
+    samples = sharegpt_shaped(n, seed, scale)
+    if model == "ensemble":
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        for s in samples:
+            s.prompt_text = tok.decode(s.prompt_ids)
+    return samples
+
+
 def percentiles(xs: list[float]) -> tuple[float, float, float]:
     if not xs:
         return (float("nan"),) * 3
@@ -65,7 +79,8 @@ def percentiles(xs: list[float]) -> tuple[float, float, float]:
     return float(a.mean()), float(np.median(a)), float(np.percentile(a, 99))
 
 
-async def run(url: str, model: str, samples: list[Sample], rate: float, seed: int) -> dict:
+async def run(url: str, model: str, samples: list[Sample], rate: float, seed: int,
+              cache_salt: str | None = None) -> dict:
     import tritonclient.grpc.aio as aio
 
     from client.triton_client import build_inputs
@@ -89,8 +104,9 @@ async def run(url: str, model: str, samples: list[Sample], rate: float, seed: in
             if i and math.isfinite(rate):
                 await asyncio.sleep(float(rng.exponential(1.0 / rate)))
             kw = dict(max_tokens=s.output_len, ignore_eos=True, temperature=0.0, stream=True)
-            inputs = (build_inputs(input_ids=s.prompt_ids, **kw) if model == "engine"
-                      else build_inputs(s.prompt_text, **kw))
+            inputs = (build_inputs(input_ids=s.prompt_ids, cache_salt=cache_salt, **kw)
+                      if model == "engine" else build_inputs(s.prompt_text, cache_salt=cache_salt,
+                                                             **kw))
             traces[i].sent = time.perf_counter()
             await outbox.put({"model_name": model, "inputs": inputs, "request_id": str(i),
                               "enable_empty_final_response": True})
@@ -171,25 +187,29 @@ def main():
     ap.add_argument("--model-dir", default=os.path.join(ROOT, "models", "smollm2-135m-instruct"))
     ap.add_argument("--setting", action="append", default=[], help="engine setting k=v")
     ap.add_argument("--name", default="smollm2-135m", help="model name for the result file")
+    ap.add_argument("--cache-salt", default=None, help="prefix-cache salt sent with every request")
+    ap.add_argument("--warmup", type=int, default=0, help="requests sent first, not measured")
     a = ap.parse_args()
-    samples = sharegpt_shaped(a.num_prompts, a.seed, a.scale)
-    if a.model == "ensemble":
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(a.model_dir)
-        for s in samples:
-            s.prompt_text = tok.decode(s.prompt_ids)
+    samples = make_samples(a.num_prompts, a.seed, a.scale, a.model, a.model_dir)
     server = None
     if a.start_server:
         server = start_server(a.model_dir, dict(kv.split("=", 1) for kv in a.setting))
         a.url = server.grpc_url
     try:
-        res = asyncio.run(run(a.url, a.model, samples, a.request_rate, a.seed))
+        if a.warmup:
+            warm = make_samples(a.warmup, a.seed + 1, a.scale, a.model, a.model_dir)
+            asyncio.run(run(a.url, a.model, warm, float("inf"), a.seed, "warmup"))
+        cpu0 = time.process_time()
+        res = asyncio.run(run(a.url, a.model, samples, a.request_rate, a.seed, a.cache_salt))
+        # near 1.0: the client's one Python thread, not the server, may be the limit
+        res["client_cpu_fraction"] = (time.process_time() - cpu0) / max(res["duration"], 1e-9)
     finally:
         if server is not None:
             server.stop()
     rate = "inf" if math.isinf(a.request_rate) else f"{a.request_rate:g}"
     res.update({"request_rate": rate, "num_prompts": a.num_prompts, "scale": a.scale,
-                "target_model": a.model, "roofline_fraction": None})
+                "target_model": a.model, "cache_salt": a.cache_salt, "warmup": a.warmup,
+                "roofline_fraction": None})
     write_result("W4", a.name, res, suffix=rate)
     keys = ["request_rate", "completed", "failed", "request_throughput", "output_throughput",
             "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
