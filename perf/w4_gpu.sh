@@ -29,6 +29,17 @@ then
   # shellcheck disable=SC1091
   source .gpu-bundle/setup.sh
 fi
+# On the GPU host, scikit-learn and scipy are built for numpy 2 while the Triton stub needs the
+# bundle's numpy 1.26, and `from transformers import AutoTokenizer` imports sklearn (through its
+# generation utilities) and dies on it. Hide sklearn from the bundle's python with a .pth line;
+# transformers then treats it as not installed.
+if [ -n "${TRITONSERVER:-}" ] && ! python3 -c "from transformers import AutoTokenizer" 2>/dev/null
+then
+  site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "import sys; sys.modules.setdefault('sklearn', None)" > "$site/zz_hide_sklearn.pth"
+  python3 -c "from transformers import AutoTokenizer" \
+    && echo "sklearn hidden from $(command -v python3): AutoTokenizer imports under numpy<2"
+fi
 # The launcher takes the tritonserver found on PATH.
 [ -n "${TRITONSERVER:-}" ] && export PATH="$(dirname "$TRITONSERVER"):$PATH"
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
