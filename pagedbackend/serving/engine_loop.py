@@ -1,6 +1,6 @@
 """The engine model's threads: one loop thread owns the LLMEngine, one sender thread is the only
-caller of Triton's send, one watcher thread polls cancellation. Free of Triton imports, so it is
-unit-tested with a fake engine and fake senders.
+caller of Triton's send and of is_cancelled. Free of Triton imports, so it is unit-tested with a
+fake engine and fake senders.
 
 Threading model:
 - `submit()` / `reject()` run on Triton's execute thread; they only enqueue.
@@ -8,10 +8,15 @@ Threading model:
   (per-request state); it turns engine outputs into `Outgoing` items on the outbox.
 - The sender thread alone calls `send(handle, outgoing)`; it sends exactly one final per request,
   because only the loop (or, once the loop is dead, `submit`) creates final items, once each.
-- The watcher thread calls `handle.is_cancelled()` (stub IPC, slow) off the loop and hands ids to
-  the loop, which aborts them before its next step.
-- `_handles` (request id -> (handle, key), read by the watcher) and `_keys` (request key -> request id,
-  read by `stop()`) are the only state under a lock.
+- Between sends, every `cancel_poll_s`, the sender thread also calls `handle.is_cancelled()` (stub
+  IPC, slow) on up to CANCEL_CHECKS_PER_POLL unfinished requests in turn and hands cancelled ids
+  to the loop, which aborts them before its next step. All stub IPC stays on one thread, and a
+  handle whose final response has gone out is never asked again (its rid has left `_handles`
+  before its final is queued). An earlier design polled every live request from its own thread
+  every 50 ms; under W4 load on the H200 (hundreds of live streams) that was ~10k IPC calls/s
+  racing the sends, and tritonserver died of heap corruption.
+- `_handles` (request id -> (handle, key), read by the sender's polls) and `_keys` (request key ->
+  request id, read by `stop()`) are the only state under a lock.
 """
 from __future__ import annotations
 
@@ -54,6 +59,10 @@ class Chunk:
             return ""
         return json.dumps([{"token_id": t, "logprob": lp, "top_logprobs": top}
                            for t, lp, top in self.logprobs])
+
+
+CANCEL_CHECKS_PER_POLL = 64
+_NOTHING = object()
 
 
 @dataclass
@@ -100,9 +109,9 @@ class EngineLoop:
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._dead = threading.Event()
+        self._poll_pos = 0
         self._threads = [threading.Thread(target=t, name=n, daemon=True) for t, n in (
-            (self._run, "engine-loop"), (self._send_all, "engine-sender"),
-            (self._watch, "engine-cancel-watch"))]
+            (self._run, "engine-loop"), (self._send_all, "engine-sender"))]
 
     # ---- execute thread -------------------------------------------------------------------
     @property
@@ -335,32 +344,40 @@ class EngineLoop:
 
     # ---- sender thread --------------------------------------------------------------------
     def _send_all(self) -> None:
+        last_poll = time.monotonic()
         while True:
-            item = self._outbox.get()
+            try:
+                item = self._outbox.get(timeout=self._cancel_poll_s)
+            except queue.Empty:
+                item = _NOTHING
             if item is None:
                 return
-            try:
-                self._send(item.handle, item)
-            except Exception as e:  # noqa: BLE001 - e.g. the client went away
-                self._log(f"send failed: {type(e).__name__}: {e}")
-
-    # ---- watcher thread -------------------------------------------------------------------
-    def _watch(self) -> None:
-        flagged: set[str] = set()
-        while not self._stop.wait(self._cancel_poll_s):
-            with self._lock:
-                handles = list(self._handles.items())
-            for rid, (handle, _) in handles:
-                if rid in flagged:
-                    continue
+            if item is not _NOTHING:
                 try:
-                    cancelled = handle.is_cancelled()
-                except Exception:  # noqa: BLE001 - a finished request's sender may be gone
-                    cancelled = False
-                if cancelled:
-                    flagged.add(rid)
-                    self._cancels.put(rid)
-            flagged &= {rid for rid, _ in handles}
+                    self._send(item.handle, item)
+                except Exception as e:  # noqa: BLE001 - e.g. the client went away
+                    self._log(f"send failed: {type(e).__name__}: {e}")
+            now = time.monotonic()
+            if now - last_poll >= self._cancel_poll_s:
+                last_poll = now
+                self._poll_cancels()
+
+    def _poll_cancels(self) -> None:
+        with self._lock:
+            handles = list(self._handles.items())
+        if not handles:
+            return
+        n = min(len(handles), CANCEL_CHECKS_PER_POLL)
+        start = self._poll_pos % len(handles)
+        self._poll_pos = start + n
+        for i in range(start, start + n):
+            rid, (handle, _) = handles[i % len(handles)]
+            try:
+                cancelled = handle.is_cancelled()
+            except Exception:  # noqa: BLE001
+                cancelled = False
+            if cancelled:
+                self._cancels.put(rid)      # the loop ignores ids it has already finished
 
 
 def _logprobs(entries: Optional[list], n: int, params: Any) -> Optional[list]:
