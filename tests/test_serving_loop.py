@@ -10,7 +10,7 @@ import pytest
 from pagedbackend.engine.detokenizer import decode_delta
 from pagedbackend.outputs import CompletionOutput, RequestOutput
 from pagedbackend.sampling_params import SamplingParams
-from pagedbackend.serving.engine_loop import EngineLoop
+from pagedbackend.serving.engine_loop import Chunk, EngineLoop, Outgoing, coalesce
 from pagedbackend.serving.request import ParsedRequest
 
 
@@ -85,6 +85,7 @@ def run_loop(engine, **kw):
         handle.items.append(item)
         if item.final:
             handle.done.set()
+    kw.setdefault("coalesce", False)    # exact per-step responses; coalescing has its own tests
     return EngineLoop(engine, send, log=lambda m: None, cancel_poll_s=0.01, **kw).start()
 
 
@@ -240,3 +241,47 @@ def test_chunks_detokenize_exactly_on_any_instance(text):
     whole = tok.decode(ids, clean_up_tokenization_spaces=False)
     head = tok.decode(prompt, clean_up_tokenization_spaces=False)
     assert head + streamed == whole
+
+
+def test_coalesce_merges_each_requests_queued_chunks_in_order():
+    a, b = Sender(), Sender()
+    ch = lambda ids, ctx, fin=None, lp=None, pre="": Chunk(ids, ctx, None, fin, 5, len(ids),
+                                                          prefix=pre, request_key="k", logprobs=lp)
+    items = [Outgoing(a, ch([1], [9, 8], pre="P", lp=[(1, -0.1, [])])), Outgoing(b, ch([7], [0])),
+             Outgoing(a, ch([2, 3], [8, 1], lp=[(2, -0.2, []), (3, -0.3, [])])),
+             Outgoing(b, None, error="the request was cancelled", error_kind="cancelled",
+                      final=True),
+             Outgoing(a, ch([4], [3], fin="length", lp=[(4, -0.4, [])]), final=True)]
+    out = coalesce(items)
+    assert [o.handle for o in out] == [a, b, b]
+    m = out[0].chunk
+    assert out[0].final and m.token_ids == [1, 2, 3, 4] and m.context_ids == [9, 8]
+    assert m.num_output_tokens == 4 and m.finish_reason == "length" and m.prefix == "P"
+    assert [t for t, _, _ in m.logprobs] == [1, 2, 3, 4]
+    assert out[1].chunk.token_ids == [7] and not out[1].final
+    assert out[2].error_kind == "cancelled" and out[2].final
+    # a chunk after an error or final is never merged backwards
+    later = coalesce([Outgoing(a, ch([1], [0]), final=True), Outgoing(a, ch([2], [1]))])
+    assert [o.chunk.token_ids for o in later] == [[1], [2]]
+
+
+def test_slow_sender_gets_fewer_larger_responses_with_the_same_tokens():
+    engine = FakeEngine()
+
+    def send(handle, item):
+        time.sleep(0.02)                    # an IPC-bound sender that falls behind
+        handle.items.append(item)
+        if item.final:
+            handle.done.set()
+    loop = EngineLoop(engine, send, log=lambda m: None, cancel_poll_s=0.01).start()
+    senders = [Sender() for _ in range(8)]
+    for s in senders:
+        loop.submit(s, req(prompt=[5, 6, 7], max_tokens=40))
+    assert all(s.done.wait(30) for s in senders)
+    loop.shutdown()
+    for s in senders:
+        ids = [t for i in s.items for t in i.chunk.token_ids]
+        assert ids == [100 + n for n in range(40)]
+        assert len(finals(s)) == 1 and s.items[-1].final
+        assert sum(i.chunk.num_output_tokens for i in s.items) == 40
+    assert sum(len(s.items) for s in senders) < 8 * 40 / 2, "responses were not merged"

@@ -8,6 +8,8 @@ Threading model:
   (per-request state); it turns engine outputs into `Outgoing` items on the outbox.
 - The sender thread alone calls `send(handle, outgoing)`; it sends exactly one final per request,
   because only the loop (or, once the loop is dead, `submit`) creates final items, once each.
+- The sender takes everything queued at once and merges each request's chunks into one response
+  (`coalesce`), so a sender that falls behind sends fewer, larger responses instead of a backlog.
 - Between sends, every `cancel_poll_s`, the sender thread also calls `handle.is_cancelled()` (stub
   IPC, slow) on up to CANCEL_CHECKS_PER_POLL unfinished requests in turn and hands cancelled ids
   to the loop, which aborts them before its next step. All stub IPC stays on one thread, and a
@@ -95,8 +97,10 @@ class _Live:
 class EngineLoop:
     def __init__(self, engine: Any, send: Callable[[Any, Outgoing], None], metrics: Any = None,
                  log: Callable[[str], None] = print, on_dead: Optional[Callable[[], None]] = None,
-                 cancel_poll_s: float = 0.05, stats_period_s: float = 0.5):
+                 cancel_poll_s: float = 0.05, stats_period_s: float = 0.5,
+                 coalesce: bool = True):
         self.engine, self._send, self.metrics, self._log = engine, send, metrics, log
+        self._coalesce = coalesce
         self._on_dead = on_dead
         self._cancel_poll_s, self._stats_period_s = cancel_poll_s, stats_period_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -345,20 +349,29 @@ class EngineLoop:
     # ---- sender thread --------------------------------------------------------------------
     def _send_all(self) -> None:
         last_poll = time.monotonic()
-        while True:
+        stopping = False
+        while not stopping:
             try:
-                item = self._outbox.get(timeout=self._cancel_poll_s)
+                batch = [self._outbox.get(timeout=self._cancel_poll_s)]
             except queue.Empty:
-                item = _NOTHING
-            if item is None:
-                return
-            if item is not _NOTHING:
+                batch = []
+            # Everything queued behind it goes out in the same pass; with coalescing, one
+            # response per request (see coalesce()).
+            while batch and batch[-1] is not None:
+                try:
+                    batch.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            if batch and batch[-1] is None:
+                stopping = True
+                batch.pop()
+            for item in coalesce(batch) if self._coalesce else batch:
                 try:
                     self._send(item.handle, item)
                 except Exception as e:  # noqa: BLE001 - e.g. the client went away
                     self._log(f"send failed: {type(e).__name__}: {e}")
             now = time.monotonic()
-            if now - last_poll >= self._cancel_poll_s:
+            if now - last_poll >= self._cancel_poll_s and not stopping:
                 last_poll = now
                 self._poll_cancels()
 
@@ -378,6 +391,44 @@ class EngineLoop:
                 cancelled = False
             if cancelled:
                 self._cancels.put(rid)      # the loop ignores ids it has already finished
+
+
+def coalesce(items: list[Outgoing]) -> list[Outgoing]:
+    """Merge the queued streaming chunks of each request into one response, in order.
+
+    Each response costs an IPC round trip in every Python-backend model of the ensemble, so when
+    the sender falls behind the engine (hundreds of streams), sending one response per request
+    per engine step caps the server far below the engine; vLLM's stream interval does the same
+    trade. When the sender keeps up, nothing is queued and every step still streams alone.
+    Errors and bare finals are never merged; a request's items keep their order."""
+    out: list[Outgoing] = []
+    open_at: dict[int, int] = {}        # id(handle) -> index in out of its mergeable chunk
+    for item in items:
+        key = id(item.handle)
+        if item.chunk is None or item.error is not None:
+            open_at.pop(key, None)
+            out.append(item)
+            continue
+        i = open_at.get(key)
+        if i is None:
+            out.append(item)
+        else:
+            out[i] = Outgoing(item.handle, _merge(out[i].chunk, item.chunk), final=item.final)
+        if item.final:
+            open_at.pop(key, None)
+        else:
+            open_at[key] = i if i is not None else len(out) - 1
+    return out
+
+
+def _merge(a: Chunk, b: Chunk) -> Chunk:
+    """a then b as one chunk: a's context (the detokenizer decodes from it over both), b's end."""
+    text = a.text + b.text if a.text is not None and b.text is not None else None
+    logprobs = a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None \
+        else None
+    return Chunk(a.token_ids + b.token_ids, a.context_ids, text, b.finish_reason,
+                 b.num_input_tokens, a.num_output_tokens + b.num_output_tokens,
+                 prefix=a.prefix, request_key=b.request_key or a.request_key, logprobs=logprobs)
 
 
 def _logprobs(entries: Optional[list], n: int, params: Any) -> Optional[list]:

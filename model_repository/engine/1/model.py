@@ -4,12 +4,14 @@ Threading model (the code lives in pagedbackend/serving/engine_loop.py):
 - execute() runs on Triton's thread; it parses each request (pagedbackend.serving.request) and
   only enqueues it for the loop (or a parse error for the sender), then returns None.
 - One loop thread owns the engine: it alone calls add_request / step / abort / stats.
-- One sender thread is the only place that calls response_sender.send(); every request gets
-  exactly one response flagged FINAL (data piggy-backed, or an error), also on error and cancel.
-- One watcher thread polls response_sender.is_cancelled() (stub IPC) off the loop; the loop
-  aborts cancelled requests before its next step, which frees their KV blocks at once.
+- One sender thread is the only place that calls response_sender.send() and is_cancelled() (all
+  stub IPC on one thread); every request gets exactly one response flagged FINAL (data
+  piggy-backed, or an error), also on error and cancel. A request's chunks queued behind a busy
+  sender go out merged as one response. Between sends it polls is_cancelled() on a bounded
+  round-robin of open requests; the loop aborts cancelled requests before its next step, which
+  frees their KV blocks at once.
 - One metrics thread publishes vLLM-named metrics through pb_utils.MetricFamily.
-Nothing else is shared; the only lock guards the open-request table read by the watcher.
+Nothing else is shared; the only lock guards the open-request table read by the sender's polls.
 """
 import json
 import sys
