@@ -39,3 +39,18 @@ def make_hf_checkpoint(arch: str, out_dir, seed: int = 0, max_shard_size=None,
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(str(out_dir), **kwargs)
     return model
+
+
+def drain(engine, on_step=None):
+    """Step an LLMEngine until it has nothing left; returns (concatenated delta token ids,
+    final RequestOutput) per request id. on_step(engine, steps_done) runs after each step."""
+    deltas, finals, steps = {}, {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            deltas.setdefault(out.request_id, []).extend(out.outputs[0].delta_token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+        steps += 1
+        if on_step is not None:
+            on_step(engine, steps)
+    return deltas, finals

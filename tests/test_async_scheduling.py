@@ -10,7 +10,7 @@ import pytest
 
 from pagedbackend import LLM, EngineConfig, SamplingParams
 from pagedbackend.engine.llm_engine import LLMEngine
-from pagedbackend.testing import TINY_CONFIGS, make_hf_checkpoint
+from pagedbackend.testing import TINY_CONFIGS, drain, make_hf_checkpoint
 
 VOCAB = TINY_CONFIGS["llama"]["vocab_size"]
 
@@ -121,17 +121,13 @@ def test_streamed_deltas_abort_in_flight_and_blocks(tiny_dir):
     p = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
     for rid, prompt in (("a", [5, 6, 7]), ("b", [9, 10]), ("c", [11, 12, 13, 14])):
         eng.add_request(rid, prompt, p)
-    deltas, finals, steps = {"a": [], "b": [], "c": []}, {}, 0
-    while eng.has_unfinished():
-        for out in eng.step():
-            deltas[out.request_id] += out.outputs[0].delta_token_ids
-            if out.finished:
-                finals[out.request_id] = out
-        steps += 1
+
+    def abort_b(eng, steps):
         if steps == 3:
             assert eng._inflight is not None, "a step should be in flight between calls"
             eng.abort("b")          # its in-flight token must be dropped, its blocks freed
             eng.check_invariants()
+    deltas, finals = drain(eng, abort_b)
     assert finals["b"].outputs[0].finish_reason == "abort"
     assert len(finals["b"].outputs[0].token_ids) < 9
     for rid in ("a", "c"):

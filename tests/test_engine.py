@@ -8,7 +8,7 @@ import torch
 
 from pagedbackend import LLM, EngineConfig, SamplingParams
 from pagedbackend.engine.llm_engine import LLMEngine
-from pagedbackend.testing import ARCHS, TINY_CONFIGS, make_hf_checkpoint
+from pagedbackend.testing import ARCHS, TINY_CONFIGS, drain, make_hf_checkpoint
 
 VOCAB = TINY_CONFIGS["llama"]["vocab_size"]
 
@@ -81,17 +81,12 @@ def test_engine_api_streams_deltas_and_aborts(llama_dir):
     p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     eng.add_request("a", [5, 6, 7], p)
     eng.add_request("b", {"prompt_token_ids": [9, 10]}, p)
-    deltas, finals = {"a": [], "b": []}, {}
-    steps = 0
-    while eng.has_unfinished():
-        for out in eng.step():
-            deltas[out.request_id] += out.outputs[0].delta_token_ids
-            if out.finished:
-                finals[out.request_id] = out
-        steps += 1
+
+    def abort_b(eng, steps):
         if steps == 2:
             eng.abort("b")
             assert eng.stats().num_used_blocks == eng.kv.pool.num_used_blocks
+    deltas, finals = drain(eng, abort_b)
     assert finals["b"].outputs[0].finish_reason == "abort"
     assert len(finals["a"].outputs[0].token_ids) == 6
     assert deltas["a"] == finals["a"].outputs[0].token_ids
