@@ -36,11 +36,14 @@ def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def commit() -> str:
+    """PAGEDBACKEND_COMMIT when set (a device copy may carry a stale .git), else git's HEAD."""
+    if os.environ.get("PAGEDBACKEND_COMMIT"):
+        return os.environ["PAGEDBACKEND_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                        text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:
-        return os.environ.get("PAGEDBACKEND_COMMIT", "unknown")
+        return "unknown"
 
 
 def gpu_name() -> str:
