@@ -21,6 +21,7 @@ if not CUDA:
 pytest.importorskip("triton")
 
 kernels = importlib.import_module("pagedbackend.kernels")
+from pagedbackend.layers import activation as torch_act  # noqa: E402
 from pagedbackend.layers import norm as torch_norm  # noqa: E402
 from pagedbackend.layers import rotary as torch_rotary  # noqa: E402
 from pagedbackend.kernels.testing import random_paged_batch  # noqa: E402
@@ -243,3 +244,16 @@ def test_rotary_matches_reference(dtype):
     assert rel_err(out_q, exact_q) < EXACTISH[dtype]
     assert rel_err(out_k, exact_k) < EXACTISH[dtype]
     assert rel_err(out_q, ref_q) < REL_TOL[dtype] and rel_err(out_k, ref_k) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_and_mul_matches_reference(dtype):
+    t, i = (300, 14336) if CUDA else (5, 1100)        # i > one 1024-column block: a masked tail
+    x = (2 * torch.randn(t, 2 * i, device=DEV)).to(dtype)
+    out = kernels.silu_and_mul(x)
+    ref = torch_act.silu_and_mul_torch(x)
+    assert out.shape == (t, i) and out.dtype == dtype and not out.isnan().any()
+    assert rel_err(out, ref) < EXACTISH[dtype]
+    # a 3-D input and a row-strided one (a view into a wider buffer)
+    wide = torch.randn(3, 2, 2 * i + 64, device=DEV).to(dtype)[..., :2 * i]
+    assert rel_err(kernels.silu_and_mul(wide), torch_act.silu_and_mul_torch(wide)) < EXACTISH[dtype]
