@@ -285,3 +285,25 @@ def test_slow_sender_gets_fewer_larger_responses_with_the_same_tokens():
         assert len(finals(s)) == 1 and s.items[-1].final
         assert sum(i.chunk.num_output_tokens for i in s.items) == 40
     assert sum(len(s.items) for s in senders) < 8 * 40 / 2, "responses were not merged"
+
+
+def test_response_rate_budget_merges_steps_but_sends_first_and_last_at_once():
+    class SlowEngine(FakeEngine):
+        def step(self):
+            time.sleep(0.005)               # ~200 steps/s
+            return super().step()
+    loop = run_loop(SlowEngine(), max_responses_per_s=40)
+    senders = [Sender() for _ in range(4)]
+    for s in senders:
+        loop.submit(s, req(prompt=[5, 6, 7], max_tokens=30))
+    assert all(s.done.wait(30) for s in senders)
+    loop.shutdown()
+    for s in senders:
+        chunks = [i.chunk for i in s.items]
+        assert chunks[0].token_ids == [100]                      # first token not held
+        assert [t for c in chunks for t in c.token_ids] == [100 + n for n in range(30)]
+        assert sum(c.num_output_tokens for c in chunks) == 30
+        assert len(finals(s)) == 1 and chunks[-1].finish_reason == "length"
+        # 4 streams at 40 responses/s: one response per ~100 ms instead of every ~5 ms step
+        assert len(chunks) < 15, len(chunks)
+        assert chunks[1].context_ids[-1] == chunks[0].token_ids[-1]   # merged chunk's context

@@ -10,6 +10,10 @@ Threading model:
   because only the loop (or, once the loop is dead, `submit`) creates final items, once each.
 - The sender takes everything queued at once and merges each request's chunks into one response
   (`coalesce`), so a sender that falls behind sends fewer, larger responses instead of a backlog.
+- With `max_responses_per_s` the loop itself holds back streamed steps so that all requests
+  together send about that many responses per second (each request every len(live) / rate
+  seconds; the first token and the final go at once). Every response costs an IPC round trip in
+  each Python model of the ensemble, and that chain, not the engine, limited W4 on the H200.
 - Between sends, every `cancel_poll_s`, the sender thread also calls `handle.is_cancelled()` (stub
   IPC, slow) on up to CANCEL_CHECKS_PER_POLL unfinished requests in turn and hands cancelled ids
   to the loop, which aborts them before its next step. All stub IPC stays on one thread, and a
@@ -88,6 +92,8 @@ class _Live:
     started: bool = False
     ids: list[int] = field(default_factory=list)       # accumulated when not streaming
     text: list[str] = field(default_factory=list)
+    held: Optional[Chunk] = None      # streamed steps not sent yet (response-rate budget)
+    last_sent: float = 0.0
     num_out: int = 0
     first_token: Optional[float] = None
     last_token: Optional[float] = None
@@ -98,9 +104,12 @@ class EngineLoop:
     def __init__(self, engine: Any, send: Callable[[Any, Outgoing], None], metrics: Any = None,
                  log: Callable[[str], None] = print, on_dead: Optional[Callable[[], None]] = None,
                  cancel_poll_s: float = 0.05, stats_period_s: float = 0.5,
-                 coalesce: bool = True):
+                 coalesce: bool = True, max_responses_per_s: float = 0.0):
         self.engine, self._send, self.metrics, self._log = engine, send, metrics, log
         self._coalesce = coalesce
+        # > 0: streamed responses of all requests together stay near this rate; each request
+        # then sends every len(live) / rate seconds, its steps merged (first and last at once).
+        self._max_rate = max_responses_per_s
         self._on_dead = on_dead
         self._cancel_poll_s, self._stats_period_s = cancel_poll_s, stats_period_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -263,11 +272,17 @@ class EngineLoop:
                           live.prompt_len, len(new_ids), prefix=self._echo(live, out) if first
                           else "", request_key=live.key,
                           logprobs=_logprobs(comp.logprobs, len(new_ids), live.req.params))
+            if live.held is not None:
+                chunk, live.held = _merge(live.held, chunk), None
             if finished:
                 self._finish(out.request_id, Outgoing(live.handle, chunk, final=True),
                              reason=comp.finish_reason, now=now)
-            else:
+            elif first or not self._max_rate \
+                    or now - live.last_sent >= len(self._live) / self._max_rate:
+                live.last_sent = now
                 self._outbox.put(Outgoing(live.handle, chunk))
+            else:
+                live.held = chunk
             return
         live.ids.extend(new_ids)
         if text:

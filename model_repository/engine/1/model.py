@@ -49,8 +49,17 @@ class TritonPythonModel:
         self.engine = LLMEngine(config)
         served = params.get("served_model_name") or Path(config.model).name
         self.metrics = ServingMetrics(pb_utils, served, log=self.log.log_warn)
+        coalesce = params.get("stream_coalesce", "true").lower() not in ("false", "0", "no")
+        rate = params.get("max_responses_per_s") or "0"
+        try:
+            rate = float(rate)
+            assert rate >= 0
+        except (ValueError, AssertionError):
+            raise ValueError(f"parameter max_responses_per_s={rate!r} is invalid: must be a "
+                             "number >= 0 (0: one response per engine step)") from None
         self.loop = EngineLoop(self.engine, self._send, self.metrics, log=self.log.log_error,
-                               on_dead=self._unload_self).start()
+                               on_dead=self._unload_self, coalesce=coalesce,
+                               max_responses_per_s=rate).start()
         self.log.log_info(f"engine ready: {self.engine.info}")
 
     def execute(self, requests):
