@@ -15,7 +15,8 @@
 # EXTRA_SETTINGS ("k=v ...") NUM_PROMPTS SCALE RATES CONCURRENCIES TARGET (ensemble|engine)
 # ENGINE_INF (1: also rate inf to the engine model, token ids) PA_INTERVAL_MS BUDGET_S
 # START_TIMEOUT OFFLINE_S PYTHON TRITONSERVER PERF_ANALYZER OUT.
-# perf_analyzer: 3 windows of PA_INTERVAL_MS per concurrency, no stability requirement (W4-mean
+# perf_analyzer: 3 windows of PA_INTERVAL_MS (8 s: longer than one request) per concurrency, no
+# stability requirement (W4-mean
 # requests: prompt ~202, max_tokens 179, 256 different prompts, a cache salt per level).
 # Every step has its own time limit, cut to what is left of BUDGET_S (keeping OFFLINE_S for the
 # offline run), so one failure or hang costs only itself; the server is stopped on any exit.
@@ -55,7 +56,7 @@ RATES=${RATES:-"inf 16 4"}
 CONCURRENCIES=${CONCURRENCIES:-"16 64 128"}
 TARGET=${TARGET:-ensemble}
 ENGINE_INF=${ENGINE_INF:-1}
-PA_INTERVAL_MS=${PA_INTERVAL_MS:-3000}
+PA_INTERVAL_MS=${PA_INTERVAL_MS:-8000}
 BUDGET_S=${BUDGET_S:-535}
 START_TIMEOUT=${START_TIMEOUT:-180}
 OFFLINE_S=${OFFLINE_S:-150}
@@ -186,7 +187,7 @@ if [ "$READY" = 1 ]; then
     --out-dir "$OUT" --scale "$SCALE" --concurrency $CONCURRENCIES
   for c in $CONCURRENCIES; do
     rm -f "$OUT/pa-c$c.csv"
-    step "pa-c$c" 45 20 "$reserve" env URL="$GRPC_URL" CONCURRENCY="$c:$c" \
+    step "pa-c$c" 60 30 "$reserve" env URL="$GRPC_URL" CONCURRENCY="$c:$c" \
       INPUT_DATA="$OUT/pa_input_c$c.json" MEASUREMENT_INTERVAL="$PA_INTERVAL_MS" \
       bash perf/perf_analyzer.sh -f "$OUT/pa-c$c.csv" --stability-percentage 999
   done
