@@ -25,7 +25,7 @@ def check(ok: bool, field: str, value: Any, allowed: str) -> None:
 class EngineConfig:
     model: str
     tokenizer: Optional[str] = None          # defaults to `model`
-    dtype: str = "auto"                      # auto: bfloat16 on cuda, float32 on cpu
+    dtype: str = "auto"                      # auto: bf16 on cuda and on bf16-capable CPUs, else f32
     device: str = "auto"                     # auto: cuda if available, else cpu
     max_model_len: Optional[int] = None      # defaults to the model's max_position_embeddings
     block_size: int = 16
