@@ -1,7 +1,8 @@
 """vLLM-named metrics published through Triton's custom metrics API (pb_utils.MetricFamily).
 
 The engine loop only enqueues events (cheap, never blocks); one metrics thread applies them, and
-the loop's periodic `EngineStats` snapshot, to the Triton metric objects. `families` is anything
+the loop's periodic `EngineStats` snapshot, to the Triton metric objects, taking whatever has
+queued up at once (one increment per counter per pass). `families` is anything
 with pb_utils' MetricFamily interface, so tests pass a fake.
 """
 from __future__ import annotations
@@ -113,35 +114,59 @@ class ServingMetrics:
     # ---- metrics thread ---------------------------------------------------------------------
     def _apply_all(self) -> None:
         while True:
-            event = self._events.get()
-            if event is None:
-                return
+            batch = [self._events.get()]
+            while batch[-1] is not None:            # take everything queued behind it too
+                try:
+                    batch.append(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            stopping = batch[-1] is None
+            if stopping:
+                batch.pop()
             try:
-                self._apply(*event)
+                self.apply_batch(batch)
             except Exception as e:  # noqa: BLE001 - metrics must never take the model down
                 self._log(f"metrics update failed: {type(e).__name__}: {e}")
+            if stopping:
+                return
 
-    def _apply(self, kind: str, *args: Any) -> None:
-        if kind == "first":
-            ttft, queue_time, prompt_tokens = args
-            self.ttft.observe(ttft)
-            if queue_time is not None:
-                self.queue_time.observe(queue_time)
-            self.prompt_tokens.increment(prompt_tokens)
-        elif kind == "itl":
-            seconds, count = args
-            for _ in range(count):
-                self.itl.observe(seconds)
-        elif kind == "gen":
-            self.generation_tokens.increment(args[0])
-        elif kind == "done":
-            reason, e2e, prompt_tokens, generated = args
-            self.success.get(reason, self.success["abort"]).increment(1)
-            self.e2e.observe(e2e)
-            self.request_prompt.observe(prompt_tokens)
-            self.request_generation.observe(generated)
-        elif kind == "stats":
-            self._apply_stats(args[0])
+    def apply_batch(self, events: list) -> None:
+        """Apply queued events with one increment per counter and only the newest stats
+        snapshot: every Triton metric call is an IPC round trip to the server process, and at
+        thousands of tokens/s one call per event rivals the responses themselves."""
+        totals: dict[int, list] = {}
+
+        def add(metric: Any, amount: float) -> None:
+            entry = totals.setdefault(id(metric), [metric, 0.0])
+            entry[1] += amount
+
+        stats = None
+        for kind, *args in events:
+            if kind == "first":
+                ttft, queue_time, prompt_tokens = args
+                self.ttft.observe(ttft)
+                if queue_time is not None:
+                    self.queue_time.observe(queue_time)
+                add(self.prompt_tokens, prompt_tokens)
+            elif kind == "itl":
+                seconds, count = args
+                for _ in range(count):
+                    self.itl.observe(seconds)
+            elif kind == "gen":
+                add(self.generation_tokens, args[0])
+            elif kind == "done":
+                reason, e2e, prompt_tokens, generated = args
+                add(self.success.get(reason, self.success["abort"]), 1)
+                self.e2e.observe(e2e)
+                self.request_prompt.observe(prompt_tokens)
+                self.request_generation.observe(generated)
+            elif kind == "stats":
+                stats = args[0]                     # gauges and cumulative totals: newest wins
+        for metric, amount in totals.values():
+            if amount:
+                metric.increment(amount)
+        if stats is not None:
+            self._apply_stats(stats)
 
     def _apply_stats(self, stats: Any) -> None:
         for key, gauge in (("running", self.running), ("waiting", self.waiting),
