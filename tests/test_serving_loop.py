@@ -307,3 +307,41 @@ def test_response_rate_budget_merges_steps_but_sends_first_and_last_at_once():
         # 4 streams at 40 responses/s: one response per ~100 ms instead of every ~5 ms step
         assert len(chunks) < 15, len(chunks)
         assert chunks[1].context_ids[-1] == chunks[0].token_ids[-1]   # merged chunk's context
+
+
+def test_real_async_engine_behind_the_loop_streams_and_cancels(tmp_path):
+    """The GPU default (async scheduling) behind the serving loop, on the CPU with a tiny random
+    model: streamed ids equal offline greedy, a cancel with a step in flight ends in exactly one
+    cancelled final, and every KV block comes back."""
+    from pagedbackend import LLM
+    from pagedbackend.engine.llm_engine import LLMEngine
+    from pagedbackend.config import EngineConfig
+    from pagedbackend.testing import make_hf_checkpoint
+    make_hf_checkpoint("llama", tmp_path, seed=2, std=0.15)
+    cfg = dict(dtype="float32", block_size=4, num_kv_blocks=64)
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [13, 14]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **cfg).generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy)]
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), async_scheduling=True, **cfg))
+    loop = run_loop(engine, max_responses_per_s=0)
+    senders = [Sender() for _ in prompts]
+    for s, p in zip(senders, prompts):
+        loop.submit(s, ParsedRequest(prompt=None, prompt_token_ids=p, params=greedy.clone(),
+                                     stream=True))
+    victim = Sender()
+    loop.submit(victim, ParsedRequest(prompt=None, prompt_token_ids=[3, 4],
+                                      params=SamplingParams(temperature=0, max_tokens=200,
+                                                            ignore_eos=True), stream=True))
+    deadline = time.time() + 10
+    while not victim.items and time.time() < deadline:
+        time.sleep(0.01)
+    victim.cancelled = True
+    assert all(s.done.wait(30) for s in senders + [victim])
+    loop.shutdown()
+    for s, ids in zip(senders, want):
+        assert [t for i in s.items for t in i.chunk.token_ids] == ids
+        assert len(finals(s)) == 1
+    assert len(finals(victim)) == 1 and victim.items[-1].error_kind == "cancelled"
+    engine.check_invariants()
+    assert engine.stats().num_used_blocks == 0
