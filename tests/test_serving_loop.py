@@ -96,6 +96,16 @@ def req(prompt="p", stream=True, max_tokens=4, stop=()):
                          stream=stream)
 
 
+def stream_all(loop, n, max_tokens):
+    """n streaming requests of prompt [5, 6, 7]; waits for all, stops the loop; the senders."""
+    senders = [Sender() for _ in range(n)]
+    for s in senders:
+        loop.submit(s, req(prompt=[5, 6, 7], max_tokens=max_tokens))
+    assert all(s.done.wait(30) for s in senders)
+    loop.shutdown()
+    return senders
+
+
 def finals(sender):
     return [i for i in sender.items if i.final]
 
@@ -274,11 +284,7 @@ def test_slow_sender_gets_fewer_larger_responses_with_the_same_tokens():
         if item.final:
             handle.done.set()
     loop = EngineLoop(engine, send, log=lambda m: None, cancel_poll_s=0.01).start()
-    senders = [Sender() for _ in range(8)]
-    for s in senders:
-        loop.submit(s, req(prompt=[5, 6, 7], max_tokens=40))
-    assert all(s.done.wait(30) for s in senders)
-    loop.shutdown()
+    senders = stream_all(loop, 8, max_tokens=40)
     for s in senders:
         ids = [t for i in s.items for t in i.chunk.token_ids]
         assert ids == [100 + n for n in range(40)]
@@ -292,12 +298,7 @@ def test_response_rate_budget_merges_steps_but_sends_first_and_last_at_once():
         def step(self):
             time.sleep(0.005)               # ~200 steps/s
             return super().step()
-    loop = run_loop(SlowEngine(), max_responses_per_s=40)
-    senders = [Sender() for _ in range(4)]
-    for s in senders:
-        loop.submit(s, req(prompt=[5, 6, 7], max_tokens=30))
-    assert all(s.done.wait(30) for s in senders)
-    loop.shutdown()
+    senders = stream_all(run_loop(SlowEngine(), max_responses_per_s=40), 4, max_tokens=30)
     for s in senders:
         chunks = [i.chunk for i in s.items]
         assert chunks[0].token_ids == [100]                      # first token not held
