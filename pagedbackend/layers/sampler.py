@@ -180,13 +180,16 @@ class Sampler(torch.nn.Module):
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
 
-def _to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
-    """A host list on the device without a sync: through pinned memory on CUDA (a plain
-    torch.tensor(..., device=cuda) would wait for all queued GPU work)."""
-    t = torch.tensor(values, dtype=dtype)
+def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on the device without a sync: through pinned memory on CUDA (a plain
+    copy from pageable memory would wait for all queued GPU work)."""
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t
+
+
+def _to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    return to_device_async(torch.tensor(values, dtype=dtype), device)
 
 
 def _is_greedy(p: SamplingParams) -> bool:

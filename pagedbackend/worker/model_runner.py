@@ -17,7 +17,7 @@ import torch
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.scheduler import SchedulerOutput
 from pagedbackend.layers.attention import AttentionMetadata
-from pagedbackend.layers.sampler import Sampler, SamplingMetadata
+from pagedbackend.layers.sampler import Sampler, SamplingMetadata, to_device_async
 from pagedbackend.models import build_model, load_weights
 from pagedbackend.worker.cuda_graph import DecodeGraphs
 from pagedbackend.worker.kv_sizing import kv_bytes_per_block, num_blocks_for_device
@@ -216,9 +216,7 @@ class ModelRunner:
         """Integer numpy arrays -> int64 device tensors (same shapes) in one copy; from pinned
         memory on CUDA, so it neither blocks the host nor waits for earlier GPU work."""
         flat = np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays])
-        host = torch.from_numpy(flat)
-        dev = host.pin_memory().to(self.device, non_blocking=True) \
-            if self.device.type == "cuda" else host
+        dev = to_device_async(torch.from_numpy(flat), self.device)
         out, o = [], 0
         for a in arrays:
             n = int(np.size(a))
@@ -226,16 +224,21 @@ class ModelRunner:
             o += n
         return out
 
-    def to_device(self, h: HostInputs) -> StepInputs:
+    def _upload_step(self, h: HostInputs) -> list[torch.Tensor]:
+        """[tokens, positions, slots, cu, seq_lens, table, logits_idx] on the device (int64),
+        with the ids of in-flight tokens filled in from the previous launch's samples."""
         logits_idx = h.cu[1:][h.sample_rows] - 1
-        tokens, positions, slots, cu, seq_lens, table, logits_idx_d, ph_dst, ph_src = \
-            self.upload([h.tokens, h.positions, h.slots, h.cu, h.seq_lens, h.table, logits_idx,
-                         h.ph_dst, h.ph_src])
+        *arrays, ph_dst, ph_src = self.upload([h.tokens, h.positions, h.slots, h.cu, h.seq_lens,
+                                               h.table, logits_idx, h.ph_dst, h.ph_src])
         if len(h.ph_dst):
             if self.prev_sampled is None:
                 raise RuntimeError("a step refers to sampled ids of a previous step that did "
                                    "not sample")
-            tokens.index_copy_(0, ph_dst, self.prev_sampled.index_select(0, ph_src))
+            arrays[0].index_copy_(0, ph_dst, self.prev_sampled.index_select(0, ph_src))
+        return arrays
+
+    def to_device(self, h: HostInputs) -> StepInputs:
+        tokens, positions, slots, cu, seq_lens, table, logits_idx_d = self._upload_step(h)
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=cu.int(), seq_lens=seq_lens.int(),
             block_tables=table.int(), max_query_len=int(h.q_lens.max()),
@@ -247,12 +250,12 @@ class ModelRunner:
         """Logits of the rows that sample: a CUDA graph replay for decode steps, else eager.
         Tensor-parallel workers call this alone (they take part in the collectives, not in
         sampling)."""
-        inputs = self.to_device(h)
         if self.graphs is not None and h.decode_only and self.graphs.bucket(len(h.tokens)):
-            m = inputs.meta
-            logits = self.graphs.run(inputs.input_ids, inputs.positions, m.slot_mapping,
-                                     m.seq_lens, m.block_tables)
+            # The graph's static int32 buffers take the int64 uploads by copy (no casts here).
+            tokens, positions, slots, _, seq_lens, table, _ = self._upload_step(h)
+            logits = self.graphs.run(tokens, positions, slots, seq_lens, table)
             return logits if len(h.sample_rows) == len(h.tokens) else logits[h.sample_rows]
+        inputs = self.to_device(h)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         if not h.sample_rows:
             return None
