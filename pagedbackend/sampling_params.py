@@ -82,6 +82,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def uses_repetition_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
+    def uses_output_penalties(self) -> bool:
+        """Presence or frequency penalty: they read the tokens generated so far."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def clone(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 

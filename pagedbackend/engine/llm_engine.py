@@ -160,9 +160,8 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             child = Request(child_id, ids, child_params, max_tokens, info.eos_token_ids,
                             now, priority, cache_salt, info.max_model_len)
-            child.needs_all_tokens = (params.repetition_penalty != 1.0
-                                      or params.presence_penalty != 0.0
-                                      or params.frequency_penalty != 0.0)
+            child.needs_all_tokens = (params.uses_repetition_penalty
+                                      or params.uses_output_penalties)
             children.append(child)
         self.outputs.add(request_id, prompt_text, ids, params, children,
                          detokenize=detokenize and self.tokenizer is not None, arrival_time=now,

@@ -82,8 +82,8 @@ class SamplingMetadata:
         gens = {j: generators[i] for j, i in enumerate(rand) if generators[i] is not None}
 
         rep = pres = freq = seen = counts = None
-        use_rep = [p.repetition_penalty != 1.0 for p in params]
-        use_out = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
+        use_rep = [p.uses_repetition_penalty for p in params]
+        use_out = [p.uses_output_penalties for p in params]
         if any(use_rep) or any(use_out):
             # Only rows that use a penalty contribute ids, so long prompts of others cost nothing.
             outs = [list(o) if r or u else [] for o, r, u in zip(output_token_ids, use_rep, use_out)]
