@@ -35,6 +35,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from pagedbackend.serving.queues import take_batch
 from pagedbackend.serving.request import ParsedRequest
 
 from pagedbackend.engine.detokenizer import DETOKENIZE_CONTEXT, MAX_EXTRA_CONTEXT, context_for
@@ -200,16 +201,8 @@ class EngineLoop:
         self._drain_inbox_with_error("the server is shutting down")
 
     def _take_inbox(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while item is not None:
+        for item in take_batch(self._inbox, 0.1 if block else 0)[0]:
             self._add(*item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
 
     def _add(self, rid: str, handle: Any, req: ParsedRequest, arrival: float, key: str) -> None:
         try:
@@ -231,11 +224,7 @@ class EngineLoop:
 
     def _take_cancels(self) -> None:
         ids = []
-        while True:
-            try:
-                rid = self._cancels.get_nowait()
-            except queue.Empty:
-                break
+        for rid in take_batch(self._cancels, 0)[0]:
             live = self._live.get(rid)
             if live is not None and not live.cancelled:
                 live.cancelled = True
@@ -366,20 +355,9 @@ class EngineLoop:
         last_poll = time.monotonic()
         stopping = False
         while not stopping:
-            try:
-                batch = [self._outbox.get(timeout=self._cancel_poll_s)]
-            except queue.Empty:
-                batch = []
-            # Everything queued behind it goes out in the same pass; with coalescing, one
-            # response per request (see coalesce()).
-            while batch and batch[-1] is not None:
-                try:
-                    batch.append(self._outbox.get_nowait())
-                except queue.Empty:
-                    break
-            if batch and batch[-1] is None:
-                stopping = True
-                batch.pop()
+            # Everything queued goes out in the same pass; with coalescing, one response per
+            # request (see coalesce()).
+            batch, stopping = take_batch(self._outbox, self._cancel_poll_s)
             for item in coalesce(batch) if self._coalesce else batch:
                 try:
                     self._send(item.handle, item)

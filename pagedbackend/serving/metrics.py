@@ -11,6 +11,8 @@ import queue
 import threading
 from typing import Any, Callable, Optional
 
+from pagedbackend.serving.queues import take_batch
+
 # Same bucket edges as vLLM, so dashboards built for vLLM read these unchanged.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -114,15 +116,7 @@ class ServingMetrics:
     # ---- metrics thread ---------------------------------------------------------------------
     def _apply_all(self) -> None:
         while True:
-            batch = [self._events.get()]
-            while batch[-1] is not None:            # take everything queued behind it too
-                try:
-                    batch.append(self._events.get_nowait())
-                except queue.Empty:
-                    break
-            stopping = batch[-1] is None
-            if stopping:
-                batch.pop()
+            batch, stopping = take_batch(self._events)
             try:
                 self.apply_batch(batch)
             except Exception as e:  # noqa: BLE001 - metrics must never take the model down
