@@ -104,6 +104,22 @@ def timed(fn, *args, **kwargs):
     return out, time.perf_counter() - t0
 
 
+def timed_greedy(llm, prompts: list, max_tokens: int, warmup_tokens: int = 16,
+                 warmup_prompts: int = 1):
+    """Greedy, ignore_eos: a short warm-up run of the first prompts, then all prompts timed
+    (step timings reset in between). Returns (outputs, seconds)."""
+    from pagedbackend import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:warmup_prompts], params.clone(max_tokens=warmup_tokens))
+    llm.engine.timing_summary(reset=True)
+    return timed(llm.generate, prompts, params)
+
+
+def decode_tokens_per_s(out, secs: float) -> float:
+    """Output tokens after the first, per second after the first token (one request)."""
+    return (len(out.outputs[0].token_ids) - 1) / (secs - (out.first_token_time - out.arrival_time))
+
+
 def output_tokens(outs) -> int:
     return sum(len(o.token_ids) for r in outs for o in r.outputs)
 

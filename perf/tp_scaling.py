@@ -16,8 +16,8 @@ import os
 import tempfile
 import time
 
-from common import (dummy_model_dir, output_tokens, print_table, random_prompts, timed,
-                    write_result)
+from common import (decode_tokens_per_s, dummy_model_dir, output_tokens, print_table,
+                    random_prompts, timed_greedy, write_result)
 
 SMOKE_CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=128,
                     intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -80,13 +80,11 @@ def measure(model_dir: str, tp: int, w2_requests: int, smoke: bool) -> dict:
         kw.update(dtype="float32", num_kv_blocks=2048)
     llm = LLM(model_dir, max_num_seqs=512, **kw)
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    one = {"prompt_token_ids": random_prompts(1, 128)[0]}
-    llm.generate(one, greedy(16))                                        # warm-up
-    out, secs = timed(llm.generate, one, greedy(128))
-    o = out[0]
-    w1 = 127 / (secs - (o.first_token_time - o.arrival_time))
+    one = [{"prompt_token_ids": random_prompts(1, 128)[0]}]
+    out, secs = timed_greedy(llm, one, 128)
+    w1 = decode_tokens_per_s(out[0], secs)
     batch = [{"prompt_token_ids": p} for p in random_prompts(w2_requests, 128)]
-    outs, secs = timed(llm.generate, batch, greedy(128))
+    outs, secs = timed_greedy(llm, batch, 128)
     w2 = output_tokens(outs) / secs
     res = {"tp": tp, "w1_decode_tok_s": w1, "w2_out_tok_s": w2,
            "w1_allreduce_ms_per_step": allreduce_ms_per_step(llm, one, greedy(32)),

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from common import (H200_BW, LIMITS, dummy_model_dir, engine_overrides, print_table,
-                    profile_generate, random_prompts, timed, write_result)
+from common import (H200_BW, LIMITS, decode_tokens_per_s, dummy_model_dir, engine_overrides,
+                    print_table, profile_generate, random_prompts, timed_greedy, write_result)
 
 
 def weight_bytes_per_step(model) -> int:
@@ -19,16 +19,11 @@ def weight_bytes_per_step(model) -> int:
 
 
 def run(llm, model_name: str, prompt_len: int = 128, output_len: int = 128) -> dict:
-    from pagedbackend import SamplingParams
     prompt = {"prompt_token_ids": random_prompts(1, prompt_len)[0]}
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
-    llm.engine.timing_summary(reset=True)
-    outs, secs = timed(llm.generate, prompt, params)
+    outs, secs = timed_greedy(llm, [prompt], output_len)
     step_split = llm.engine.timing_summary()
     out = outs[0]
-    decode_secs = secs - (out.first_token_time - out.arrival_time)
-    decode_tps = (output_len - 1) / decode_secs
+    decode_tps = decode_tokens_per_s(out, secs)
     wb = weight_bytes_per_step(llm.engine.runner.model)
     res = {"output_tokens_per_s": output_len / secs, "decode_tokens_per_s": decode_tps,
            "ttft_ms": (out.first_token_time - out.arrival_time) * 1e3,

@@ -63,9 +63,7 @@ def main():
     if a.warmup:
         llm.generate(*batch(make_samples(a.warmup, a.seed + 1, a.scale, a.target, a.model_dir)))
     samples = make_samples(a.num_prompts, a.seed, a.scale, a.target, a.model_dir)
-    timing = getattr(llm.engine, "timing_summary", None)
-    if timing:
-        timing(reset=True)
+    llm.engine.timing_summary(reset=True)
     outs, secs = timed(llm.generate, *batch(samples))
     toks = output_tokens(outs)
     res = {"num_prompts": a.num_prompts, "scale": a.scale, "seed": a.seed, "target": a.target,
@@ -74,7 +72,7 @@ def main():
            "offline_output_tokens": toks,
            "offline_input_tokens": sum(len(o.prompt_token_ids) for o in outs),
            "expected_output_tokens": sum(s.output_len for s in samples),
-           "step_split": timing() if timing else None,
+           "step_split": llm.engine.timing_summary(),
            "baseline": "offline LLM.generate, same requests, same settings, same run",
            "roofline_fraction": None}
     for key, name in (("", a.name), ("_engine_target", f"{a.name}-engine")):

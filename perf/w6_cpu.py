@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from common import ROOT, print_table, random_prompts, timed, write_result
+from common import ROOT, print_table, random_prompts, timed, timed_greedy, write_result
 
 
 def main():
@@ -18,7 +18,7 @@ def main():
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from pagedbackend import LLM, SamplingParams
+    from pagedbackend import LLM
     prompts = random_prompts(a.requests, a.len)
     gen = dict(max_new_tokens=a.len, do_sample=False, pad_token_id=0)
     baselines = {}
@@ -36,9 +36,8 @@ def main():
     hf_tps = a.requests * a.len / hf_secs
     bf16_tps = a.requests * a.len / baselines["bfloat16"][1]
     llm = LLM(a.model)
-    params = SamplingParams(temperature=0, max_tokens=a.len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params.clone(max_tokens=4))
-    outs, secs = timed(llm.generate, [{"prompt_token_ids": p} for p in prompts], params)
+    outs, secs = timed_greedy(llm, [{"prompt_token_ids": p} for p in prompts], a.len,
+                              warmup_tokens=4, warmup_prompts=2)
     tps = a.requests * a.len / secs
     same = sum(o.outputs[0].token_ids == baselines["bfloat16"][0][i, a.len:].tolist()
                for i, o in enumerate(outs))

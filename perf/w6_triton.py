@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import ROOT, print_table, random_prompts, timed, write_result
+from common import ROOT, print_table, random_prompts, timed_greedy, write_result
 
 
 def run_triton(model_dir: str, prompts, n_out: int, model: str) -> tuple[float, int]:
@@ -55,11 +55,10 @@ def main():
     prompts = random_prompts(a.requests, a.len)
     secs_t, toks_t = run_triton(a.model_dir, prompts, a.len, "engine")
     assert toks_t == a.requests * a.len, toks_t
-    from pagedbackend import LLM, SamplingParams
+    from pagedbackend import LLM
     llm = LLM(a.model_dir, max_model_len=1024)
-    params = SamplingParams(temperature=0, max_tokens=a.len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0]}], params.clone(max_tokens=4))
-    _, secs_o = timed(llm.generate, [{"prompt_token_ids": p} for p in prompts], params)
+    _, secs_o = timed_greedy(llm, [{"prompt_token_ids": p} for p in prompts], a.len,
+                             warmup_tokens=4)
     tps_t, tps_o = toks_t / secs_t, a.requests * a.len / secs_o
     res = {"requests": a.requests, "prompt_len": a.len, "output_len": a.len,
            "output_tokens_per_s": tps_t, "baseline_output_tokens_per_s": tps_o,
