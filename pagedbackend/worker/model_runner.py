@@ -252,9 +252,11 @@ class ModelRunner:
         sampling)."""
         if self.graphs is not None and h.decode_only and self.graphs.bucket(len(h.tokens)):
             # The graph's static int32 buffers take the int64 uploads by copy (no casts here).
-            tokens, positions, slots, _, seq_lens, table, _ = self._upload_step(h)
+            tokens, positions, slots, _, seq_lens, table, rows = self._upload_step(h)
             logits = self.graphs.run(tokens, positions, slots, seq_lens, table)
-            return logits if len(h.sample_rows) == len(h.tokens) else logits[h.sample_rows]
+            # One token per row, so the logits indices are the sampling rows (already on the
+            # device: indexing with the host list would be a blocking copy).
+            return logits if len(h.sample_rows) == len(h.tokens) else logits.index_select(0, rows)
         inputs = self.to_device(h)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         if not h.sample_rows:
