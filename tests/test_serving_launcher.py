@@ -6,7 +6,7 @@ import pytest
 
 from pagedbackend.serving.launcher import (MODEL_REPOSITORY, env_overrides,
                                            materialize_repository, set_parameter)
-from pagedbackend.serving.settings import engine_config, parameters_of
+from pagedbackend.serving.settings import engine_config, parameters_of, streaming_options
 
 
 def test_set_parameter_replaces_or_appends():
@@ -30,6 +30,19 @@ def test_materialize_substitutes_engine_settings(tmp_path):
 def test_env_overrides():
     env = {"PAGEDBACKEND_BLOCK_SIZE": "32", "PAGEDBACKEND_DTYPE": "", "OTHER": "1"}
     assert env_overrides(env) == {"block_size": "32"}
+
+
+def test_streaming_options_typed_and_checked():
+    assert streaming_options({}) == {"coalesce": True, "max_responses_per_s": 0.0}
+    assert streaming_options({"stream_coalesce": "false", "max_responses_per_s": "1000"}) == \
+        {"coalesce": False, "max_responses_per_s": 1000.0}
+    with pytest.raises(ValueError, match=r"^parameter stream_coalesce='maybe' is invalid"):
+        streaming_options({"stream_coalesce": "maybe"})
+    with pytest.raises(ValueError, match=r"^parameter max_responses_per_s=-1.0 is invalid: must be "
+                                         r"a number >= 0"):
+        streaming_options({"max_responses_per_s": "-1"})
+    with pytest.raises(ValueError, match=r"^parameter max_responses_per_s='fast' is invalid"):
+        streaming_options({"max_responses_per_s": "fast"})
 
 
 def test_engine_config_from_parameters():

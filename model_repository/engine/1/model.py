@@ -29,7 +29,8 @@ from pagedbackend.serving.engine_loop import EngineLoop, Outgoing  # noqa: E402
 from pagedbackend.serving.metrics import ServingMetrics  # noqa: E402
 from pagedbackend.serving.request import (RequestError, check_single_batch,  # noqa: E402
                                           parse_request)
-from pagedbackend.serving.settings import engine_config, parameters_of  # noqa: E402
+from pagedbackend.serving.settings import (engine_config, parameters_of,  # noqa: E402
+                                           streaming_options)
 
 ERROR_CODES = {"invalid": "INVALID_ARG", "cancelled": "CANCELLED", "unavailable": "UNAVAILABLE",
                "internal": "INTERNAL"}
@@ -43,23 +44,15 @@ class TritonPythonModel:
         self.name = args["model_name"]
         params = parameters_of(self.model_config)
         config = engine_config(params, ROOT)
+        streaming = streaming_options(params)   # checked before the (slow) engine build
         self.input_names = [i["name"] for i in self.model_config["input"] if i["name"] != "stop"]
         self.log = pb_utils.Logger
         # Built before initialize() returns: Triton reports the model ready only after this.
         self.engine = LLMEngine(config)
         served = params.get("served_model_name") or Path(config.model).name
         self.metrics = ServingMetrics(pb_utils, served, log=self.log.log_warn)
-        coalesce = params.get("stream_coalesce", "true").lower() not in ("false", "0", "no")
-        rate = params.get("max_responses_per_s") or "0"
-        try:
-            rate = float(rate)
-            assert rate >= 0
-        except (ValueError, AssertionError):
-            raise ValueError(f"parameter max_responses_per_s={rate!r} is invalid: must be a "
-                             "number >= 0 (0: one response per engine step)") from None
         self.loop = EngineLoop(self.engine, self._send, self.metrics, log=self.log.log_error,
-                               on_dead=self._unload_self, coalesce=coalesce,
-                               max_responses_per_s=rate).start()
+                               on_dead=self._unload_self, **streaming).start()
         self.log.log_info(f"engine ready: {self.engine.info}")
 
     def execute(self, requests):
