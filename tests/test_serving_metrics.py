@@ -1,5 +1,7 @@
 """ServingMetrics with a fake MetricFamily: queued events become one increment per counter per
-pass, histograms get every observation, and only the newest stats snapshot is published."""
+pass, per-request histograms get every observation, the inter-token latency histogram's
+counter series get exact counts with one increment per changed series, and only the newest
+stats snapshot is published."""
 from types import SimpleNamespace
 
 from pagedbackend.serving.metrics import ServingMetrics
@@ -62,11 +64,36 @@ def test_a_batch_of_events_costs_one_increment_per_counter():
     assert get("vllm:prompt_tokens_total").total == 42
     assert get("vllm:request_success_total", finished_reason="length").total == 2
     assert get("vllm:request_success_total", finished_reason="stop").total == 1
-    assert get("vllm:inter_token_latency_seconds").observed == [0.02] * 3
+    itl_bucket = lambda le: get("vllm:inter_token_latency_seconds_bucket", le=le).total
+    assert itl_bucket("0.01") == 0 and itl_bucket("0.025") == 3 and itl_bucket("+Inf") == 3
+    assert get("vllm:inter_token_latency_seconds_count").total == 3
+    assert abs(get("vllm:inter_token_latency_seconds_sum").total - 0.06) < 1e-12
     assert get("vllm:time_to_first_token_seconds").observed == [0.1, 0.2]
     assert get("vllm:request_queue_time_seconds").observed == [0.01]
     assert get("vllm:num_requests_running").value == 2          # the newest snapshot only
     assert get("vllm:num_preemptions_total").total == 3
     # 200 "gen" events and 3 "done": one increment each for generation, prompt, 2 reasons,
-    # preemptions -> 5 increments, not 200+
-    assert fams.calls.count("increment") == 5
+    # preemptions -> 5 increments, not 200+; the ITL observations: the 18 buckets from
+    # le=0.025 up (cumulative) and +Inf, _sum and _count
+    assert fams.calls.count("increment") == 5 + 18 + 3
+
+
+def test_inter_token_latency_buckets_are_cumulative_and_cost_one_call_per_series():
+    fams = FakeFamilies()
+    m = ServingMetrics(fams, "m")
+    values = [0.004, 0.01, 0.03, 0.3, 0.3, 100.0] * 500      # 3,000 observations
+    m.apply_batch([("itl", v, 1) for v in values[:-1]] + [("itl", values[-1], 1)])
+    m.apply_batch([("itl", 0.2, 2)])
+    m.close()
+    get = lambda name, **kw: fams.metrics[(name, tuple(sorted({"model_name": "m", **kw}.items())))]
+    bucket = lambda le: get("vllm:inter_token_latency_seconds_bucket", le=le).total
+    # le is inclusive: 0.01 lands in the 0.01 bucket, as in prometheus_client
+    assert bucket("0.01") == 1000 and bucket("0.025") == 1000 and bucket("0.05") == 1500
+    assert bucket("0.2") == 1502 and bucket("0.3") == 2502 and bucket("80.0") == 2502
+    assert bucket("+Inf") == get("vllm:inter_token_latency_seconds_count").total == 3002
+    assert abs(get("vllm:inter_token_latency_seconds_sum").total
+               - (500 * (0.004 + 0.01 + 0.03 + 0.6 + 100.0) + 0.4)) < 1e-6
+    assert "observe" not in fams.calls
+    # one increment per series per pass: 20 buckets + sum + count, then the 14 buckets from
+    # le=0.2 up + sum + count for 0.2 x 2
+    assert fams.calls.count("increment") == 22 + 16

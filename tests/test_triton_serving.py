@@ -178,6 +178,9 @@ def test_16_concurrent_streams_and_token_counters(triton):  # noqa: F811
     assert grew("vllm:prompt_tokens_total") == sum(r.num_input_tokens for r in results)
     assert grew("vllm:request_success_total", finished_reason="length") == 16
     assert grew("vllm:request_generation_tokens_count") == 16
+    # one inter-token latency per token after the first, in the counter-built histogram
+    assert grew("vllm:inter_token_latency_seconds_count") == 16 * 11
+    assert grew("vllm:inter_token_latency_seconds_bucket", le="+Inf") == 16 * 11
     assert metric_value(after, "vllm:num_requests_running") == 0
 
 

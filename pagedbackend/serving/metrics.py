@@ -2,13 +2,22 @@
 
 The engine loop only enqueues events (cheap, never blocks); one metrics thread applies them, and
 the loop's periodic `EngineStats` snapshot, to the Triton metric objects, taking whatever has
-queued up at once (one increment per counter per pass). `families` is anything
-with pb_utils' MetricFamily interface, so tests pass a fake.
+queued up at once (one increment per counter per pass, at most one pass per `min_pass_s`).
+`families` is anything with pb_utils' MetricFamily interface, so tests pass a fake.
+
+Every metric call is an IPC round trip from the stub to the server process. Per-request
+histograms (TTFT, e2e, ...) observe once per request, which is cheap; the inter-token latency
+histogram has one observation per generated token (thousands per second on a GPU), so it is
+kept as Prometheus' histogram series built from counters (`CounterHistogram`): the same
+`_bucket{le}`, `_sum` and `_count` series a histogram exposes, updated with one increment per
+changed bucket per pass.
 """
 from __future__ import annotations
 
+import bisect
 import queue
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from pagedbackend.serving.queues import take_batch
@@ -40,8 +49,44 @@ def stat(stats: Any, key: str) -> Optional[float]:
     return None if value is None else float(value)
 
 
+class CounterHistogram:
+    """A Prometheus histogram made of counters: `<name>_bucket{le}` (cumulative, "+Inf" last),
+    `<name>_sum`, `<name>_count`, the series a histogram metric exposes, so PromQL such as
+    `histogram_quantile(0.99, rate(<name>_bucket[1m]))` reads it unchanged. Observations are
+    counted locally; `flush()` increments only the series that changed (<= buckets + 3 calls)."""
+
+    def __init__(self, counter_family: Callable[[str, str], Any], labels: dict, name: str,
+                 doc: str, buckets: list[float]):
+        self.edges = sorted(buckets)
+        les = [repr(float(b)) for b in self.edges] + ["+Inf"]
+        family = counter_family(f"{name}_bucket", doc)
+        self.bucket_metrics = [family.Metric(labels={**labels, "le": le}) for le in les]
+        self.sum_metric = counter_family(f"{name}_sum", doc).Metric(labels=labels)
+        self.count_metric = counter_family(f"{name}_count", doc).Metric(labels=labels)
+        self._pending = [0] * len(les)       # observations per bucket, not yet published
+        self._sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self._pending[bisect.bisect_left(self.edges, value)] += count
+        self._sum += value * count
+
+    def flush(self) -> None:
+        if not any(self._pending):
+            return
+        cumulative = 0
+        for metric, n in zip(self.bucket_metrics, self._pending):
+            cumulative += n
+            if cumulative:
+                metric.increment(cumulative)
+        self.sum_metric.increment(self._sum)
+        self.count_metric.increment(cumulative)
+        self._pending = [0] * len(self._pending)
+        self._sum = 0.0
+
+
 class ServingMetrics:
-    def __init__(self, families: Any, model_name: str, log: Callable[[str], None] = print):
+    def __init__(self, families: Any, model_name: str, log: Callable[[str], None] = print,
+                 min_pass_s: float = 0.1):
         mf, labels = families.MetricFamily, {"model_name": model_name}
         self._log = log
         self._families = []
@@ -76,8 +121,9 @@ class ServingMetrics:
         self.prefix_hits = counter("vllm:prefix_cache_hits_total", "Prefix-cache hits, in tokens.")
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.",
                               TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency.",
-                             ITL_BUCKETS)
+        self.itl = CounterHistogram(lambda name, doc: family(name, doc, mf.COUNTER), labels,
+                                    "vllm:inter_token_latency_seconds", "Inter-token latency.",
+                                    ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
                              REQUEST_LATENCY_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds",
@@ -88,6 +134,7 @@ class ServingMetrics:
         self.request_generation = histogram("vllm:request_generation_tokens",
                                             "Generation tokens per request.", TOKEN_BUCKETS)
         self._totals = {"preemptions": 0.0, "prefix_queries": 0.0, "prefix_hits": 0.0}
+        self._min_pass_s = min_pass_s
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._apply_all, name="engine-metrics",
                                         daemon=True)
@@ -116,6 +163,7 @@ class ServingMetrics:
     # ---- metrics thread ---------------------------------------------------------------------
     def _apply_all(self) -> None:
         while True:
+            start = time.monotonic()
             batch, stopping = take_batch(self._events)
             try:
                 self.apply_batch(batch)
@@ -123,6 +171,8 @@ class ServingMetrics:
                 self._log(f"metrics update failed: {type(e).__name__}: {e}")
             if stopping:
                 return
+            # Let events gather: a pass costs about the same IPC whether it carries 1 or 1000.
+            time.sleep(max(0.0, self._min_pass_s - (time.monotonic() - start)))
 
     def apply_batch(self, events: list) -> None:
         """Apply queued events with one increment per counter and only the newest stats
@@ -144,8 +194,7 @@ class ServingMetrics:
                 add(self.prompt_tokens, prompt_tokens)
             elif kind == "itl":
                 seconds, count = args
-                for _ in range(count):
-                    self.itl.observe(seconds)
+                self.itl.observe(seconds, count)
             elif kind == "gen":
                 add(self.generation_tokens, args[0])
             elif kind == "done":
@@ -159,6 +208,7 @@ class ServingMetrics:
         for metric, amount in totals.values():
             if amount:
                 metric.increment(amount)
+        self.itl.flush()
         if stats is not None:
             self._apply_stats(stats)
 
