@@ -171,7 +171,12 @@ fi
 reserve=$(( OFFLINE_S + 20 ))   # kept for stopping the server and the offline run
 bench=("$PY" perf/serve_bench.py --model "$TARGET" --model-dir "$MODEL_DIR" --name "$NAME"
        --num-prompts "$NUM_PROMPTS" --scale "$SCALE")
+# Triton's per-model statistics after each step: which hop of the ensemble the responses wait on
+mkdir -p "$OUT/stats"
+snap() { timeout 20 "$PY" perf/w4_tools.py stats --http "$HTTP_URL" --out-dir "$OUT/stats" --label "$1" \
+           >> "$OUT/stats.txt" 2>&1; }
 if [ "$READY" = 1 ]; then
+  snap start
   first=1
   for rate in $RATES; do
     # the arrivals alone take NUM_PROMPTS / rate seconds
@@ -181,20 +186,24 @@ if [ "$READY" = 1 ]; then
     warm=(); (( first )) && warm=(--warmup 16)
     step "w4-rate-$rate" "$want" "$min" "$reserve" "${bench[@]}" --url "$GRPC_URL" \
       --request-rate "$rate" --cache-salt "w4-rate-$rate" "${warm[@]}"
+    snap "rate-$rate"
     first=0
   done
   step pa-input 60 10 "$reserve" "$PY" perf/w4_tools.py pa-input --model-dir "$MODEL_DIR" \
-    --out-dir "$OUT" --scale "$SCALE" --concurrency $CONCURRENCIES
+    --out-dir "$OUT/pa" --scale "$SCALE" --concurrency $CONCURRENCIES
   for c in $CONCURRENCIES; do
     rm -f "$OUT/pa-c$c.csv"
     step "pa-c$c" 60 30 "$reserve" env URL="$GRPC_URL" CONCURRENCY="$c:$c" \
-      INPUT_DATA="$OUT/pa_input_c$c.json" MEASUREMENT_INTERVAL="$PA_INTERVAL_MS" \
+      INPUT_DATA="$OUT/pa/pa_input_c$c.json" MEASUREMENT_INTERVAL="$PA_INTERVAL_MS" \
       bash perf/perf_analyzer.sh -f "$OUT/pa-c$c.csv" --stability-percentage 999
+    snap "pa-c$c"
   done
   if [ "$ENGINE_INF" = 1 ] && [ "$TARGET" != engine ]; then
     step w4-engine-rate-inf 60 30 "$reserve" "${bench[@]}" --url "$GRPC_URL" \
       --model engine --name "$NAME-engine" --request-rate inf --cache-salt w4-engine-inf
+    snap engine-rate-inf
   fi
+  [ -f "$OUT/stats.txt" ] && cat "$OUT/stats.txt"
 fi
 echo "=== server stop ($(date +%T))"
 stop_server

@@ -3,6 +3,7 @@
     w4_tools.py serve --model-dir DIR --state F --log L [--setting k=v ...]   # hold a server
     w4_tools.py pa-input --model-dir DIR --out-dir D --concurrency 16 64      # perf_analyzer data
     w4_tools.py summary --name N --gpu G --rates "inf 16 4" --out-dir D --since T
+    w4_tools.py stats --http H:P --out-dir D --label L     # per-model Triton statistics
 
 `serve` starts tritonserver through pagedbackend.serving.launcher (the repository materialised
 with the engine settings substituted, free ports on 127.0.0.1), writes a shell-sourceable state
@@ -216,6 +217,59 @@ def summary(a) -> None:
                 "offline LLM.generate vs Triton (rate inf, output tok/s)")
 
 
+# -- stats ------------------------------------------------------------------------------------
+STAT_KEYS = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
+def model_stats(http: str) -> dict[str, dict]:
+    """Triton's cumulative statistics per model (GET /v2/models/stats): counts and nanoseconds."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{http}/v2/models/stats", timeout=10) as r:
+        raw = json.load(r)
+    out = {}
+    for m in raw.get("model_stats", []):
+        inf = m.get("inference_stats", {})
+        row = {"inferences": int(m.get("inference_count", 0)),
+               "executions": int(m.get("execution_count", 0))}
+        for k in STAT_KEYS:
+            row[f"{k}_ns"] = int(inf.get(k, {}).get("ns", 0))
+        out[m["name"]] = row
+    return out
+
+
+def stats(a) -> None:
+    """Snapshot the statistics into OUT/stats-LABEL.json and print what changed since the
+    previous snapshot (OUT/stats-last.json): per model, requests, executions, mean queue wait
+    and mean execute time per request, and the model's busy time (sum of compute) over the
+    interval's wall time — a Python model near 1.0 is the hop the chain waits on."""
+    os.makedirs(a.out_dir, exist_ok=True)
+    now = time.time()
+    cur = model_stats(a.http)
+    last_path = os.path.join(a.out_dir, "stats-last.json")
+    prev, t_prev = {}, None
+    if os.path.exists(last_path):
+        with open(last_path) as f:
+            old = json.load(f)
+        prev, t_prev = old["models"], old["time"]
+    snap = {"time": now, "label": a.label, "models": cur}
+    for path in (os.path.join(a.out_dir, f"stats-{a.label}.json"), last_path):
+        with open(path, "w") as f:
+            json.dump(snap, f, indent=1)
+    wall = (now - t_prev) if t_prev else None
+    rows = []
+    for name, c in sorted(cur.items()):
+        p = prev.get(name, {})
+        d = {k: v - p.get(k, 0) for k, v in c.items()}
+        n = max(d["inferences"], 1)
+        compute = sum(d[f"{k}_ns"] for k in STAT_KEYS[1:])
+        rows.append({"model": name, "requests": d["inferences"], "executions": d["executions"],
+                     "queue_ms": d["queue_ns"] / n / 1e6, "compute_ms": compute / n / 1e6,
+                     "busy": compute / 1e9 / wall if wall else None})
+    print_table(rows, f"Triton model statistics, {a.label}"
+                      + (f" ({wall:.1f} s since the previous snapshot)" if wall else ""))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -239,7 +293,13 @@ def main():
     m.add_argument("--concurrency", nargs="*", default=[])
     m.add_argument("--out-dir", required=True)
     m.add_argument("--since", type=float, default=0.0)
+    t = sub.add_parser("stats")
+    t.add_argument("--http", required=True, help="Triton's HTTP address, host:port")
+    t.add_argument("--out-dir", required=True)
+    t.add_argument("--label", required=True)
     a = ap.parse_args()
+    if a.cmd == "stats":
+        return stats(a)
     if a.cmd == "serve":
         sys.exit(serve(a))
     pa_input(a) if a.cmd == "pa-input" else summary(a)
