@@ -36,6 +36,13 @@ for s in $stages; do
     # W4 through Triton + the same requests offline (sources .gpu-bundle/setup.sh itself; needs
     # models/dummy/llama-3.1-8b carried along); its own steps are cut to fit ~530 s.
     serve) run serve 560 bash perf/w4_gpu.sh ;;
+    # W4 A/B in one call: the default response budget (1000/s; rates inf and 16 to the ensemble
+    # and to the engine model, perf_analyzer, offline), then a server with 500/s (ensemble only)
+    serveab) run serve 420 env RATES="inf 16" ENGINE_RATES="inf 16" BUDGET_S=405 \
+               bash perf/w4_gpu.sh
+             run serve500 170 env RATES="inf 16" ENGINE_RATES="" SKIP_PA=1 OFFLINE_S=0 \
+               NAME=llama-3.1-8b-budget500 EXTRA_SETTINGS="max_responses_per_s=500" \
+               BUDGET_S=160 OUT="$out/w4-budget500" bash perf/w4_gpu.sh ;;
   esac
 done
 # At most 8 files come back from a device call: everything but the result JSONs travels as one

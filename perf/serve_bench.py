@@ -141,7 +141,7 @@ async def run(url: str, model: str, samples: list[Sample], rate: float, seed: in
     await all_done.wait()
     await recv
     await client.close()
-    return summarize(traces, samples)
+    return summarize(traces, samples), traces
 
 
 def summarize(traces: list[Trace], samples: list[Sample]) -> dict:
@@ -161,6 +161,28 @@ def summarize(traces: list[Trace], samples: list[Sample]) -> dict:
         mean, med, p99 = percentiles(xs)
         out.update({f"mean_{name}_ms": mean, f"median_{name}_ms": med, f"p99_{name}_ms": p99})
     return out
+
+
+def write_details(path: str, traces: list[Trace], samples: list[Sample]) -> list[dict]:
+    """One CSV row per request (send time from the first send, prompt and output length,
+    TTFT, end-to-end, responses, error); returns the rows of the ten slowest first tokens."""
+    import csv
+
+    start = min(t.sent for t in traces)
+    rows = []
+    for i, (t, s) in enumerate(zip(traces, samples)):
+        ok = bool(t.chunks) and not t.error
+        rows.append({"request": i, "sent_s": round(t.sent - start, 4),
+                     "prompt_len": len(s.prompt_ids), "output_len": s.output_len,
+                     "ttft_ms": round((t.chunks[0] - t.sent) * 1e3, 2) if ok else None,
+                     "e2e_ms": round((t.chunks[-1] - t.sent) * 1e3, 2) if ok else None,
+                     "responses": len(t.chunks), "error": t.error})
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return sorted((r for r in rows if r["ttft_ms"] is not None), key=lambda r: -r["ttft_ms"])[:10]
 
 
 def start_server(model_dir: str, settings: dict):
@@ -189,6 +211,8 @@ def main():
     ap.add_argument("--name", default="smollm2-135m", help="model name for the result file")
     ap.add_argument("--cache-salt", default=None, help="prefix-cache salt sent with every request")
     ap.add_argument("--warmup", type=int, default=0, help="requests sent first, not measured")
+    ap.add_argument("--details", default=None,
+                    help="CSV path for per-request times (the slowest first tokens are printed)")
     a = ap.parse_args()
     samples = make_samples(a.num_prompts, a.seed, a.scale, a.model, a.model_dir)
     server = None
@@ -200,7 +224,8 @@ def main():
             warm = make_samples(a.warmup, a.seed + 1, a.scale, a.model, a.model_dir)
             asyncio.run(run(a.url, a.model, warm, float("inf"), a.seed, "warmup"))
         cpu0 = time.process_time()
-        res = asyncio.run(run(a.url, a.model, samples, a.request_rate, a.seed, a.cache_salt))
+        res, traces = asyncio.run(run(a.url, a.model, samples, a.request_rate, a.seed,
+                                      a.cache_salt))
         # near 1.0: the client's one Python thread, not the server, may be the limit
         res["client_cpu_fraction"] = (time.process_time() - cpu0) / max(res["duration"], 1e-9)
     finally:
@@ -215,6 +240,9 @@ def main():
             "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
             "median_itl_ms", "p99_itl_ms"]
     print(json.dumps(res, indent=1))
+    if a.details:
+        print_table(write_details(a.details, traces, samples),
+                    f"slowest first tokens (all requests: {a.details})")
     print_table([{k: res[k] for k in keys}], f"W4 serving benchmark ({a.model})")
 
 

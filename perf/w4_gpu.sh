@@ -13,8 +13,9 @@
 #     RATES="inf 8" CONCURRENCIES="2" bash perf/w4_gpu.sh
 # Environment: MODEL_DIR NAME LOAD_FORMAT DTYPE MAX_NUM_SEQS MAX_MODEL_LEN GPU_MEMORY_UTILIZATION
 # EXTRA_SETTINGS ("k=v ...") NUM_PROMPTS SCALE RATES CONCURRENCIES TARGET (ensemble|engine)
-# ENGINE_INF (1: also rate inf to the engine model, token ids) PA_INTERVAL_MS BUDGET_S
-# START_TIMEOUT OFFLINE_S PYTHON TRITONSERVER PERF_ANALYZER OUT.
+# ENGINE_RATES (default "inf": these rates also to the engine model, token ids; ENGINE_INF=0 or
+# ENGINE_RATES="" for none) SKIP_PA (1: no perf_analyzer) PA_INTERVAL_MS BUDGET_S
+# START_TIMEOUT OFFLINE_S (0: no offline run) PYTHON TRITONSERVER PERF_ANALYZER OUT.
 # perf_analyzer: 3 windows of PA_INTERVAL_MS (8 s: longer than one request) per concurrency, no
 # stability requirement (W4-mean
 # requests: prompt ~202, max_tokens 179, 256 different prompts, a cache salt per level).
@@ -55,7 +56,8 @@ SCALE=${SCALE:-1.0}
 RATES=${RATES:-"inf 16 4"}
 CONCURRENCIES=${CONCURRENCIES:-"16 64 128"}
 TARGET=${TARGET:-ensemble}
-ENGINE_INF=${ENGINE_INF:-1}
+ENGINE_RATES=${ENGINE_RATES-inf}
+[ "${ENGINE_INF:-1}" = 0 ] && ENGINE_RATES=""
 PA_INTERVAL_MS=${PA_INTERVAL_MS:-8000}
 BUDGET_S=${BUDGET_S:-535}
 START_TIMEOUT=${START_TIMEOUT:-180}
@@ -185,11 +187,13 @@ if [ "$READY" = 1 ]; then
       'BEGIN { printf "%d %d\n", 60 + 1.15 * n / r, 15 + n / r }')
     warm=(); (( first )) && warm=(--warmup 16)
     step "w4-rate-$rate" "$want" "$min" "$reserve" "${bench[@]}" --url "$GRPC_URL" \
-      --request-rate "$rate" --cache-salt "w4-rate-$rate" "${warm[@]}"
+      --request-rate "$rate" --cache-salt "w4-rate-$rate" --details "$OUT/details-$rate.csv" \
+      "${warm[@]}"
     snap "rate-$rate"
     first=0
   done
-  step pa-input 60 10 "$reserve" "$PY" perf/w4_tools.py pa-input --model-dir "$MODEL_DIR" \
+  [ "${SKIP_PA:-0}" = 1 ] && CONCURRENCIES=""
+  [ -n "$CONCURRENCIES" ] && step pa-input 60 10 "$reserve" "$PY" perf/w4_tools.py pa-input --model-dir "$MODEL_DIR" \
     --out-dir "$OUT/pa" --scale "$SCALE" --concurrency $CONCURRENCIES
   for c in $CONCURRENCIES; do
     rm -f "$OUT/pa-c$c.csv"
@@ -198,10 +202,17 @@ if [ "$READY" = 1 ]; then
       bash perf/perf_analyzer.sh -f "$OUT/pa-c$c.csv" --stability-percentage 999
     snap "pa-c$c"
   done
-  if [ "$ENGINE_INF" = 1 ] && [ "$TARGET" != engine ]; then
-    step w4-engine-rate-inf 60 30 "$reserve" "${bench[@]}" --url "$GRPC_URL" \
-      --model engine --name "$NAME-engine" --request-rate inf --cache-salt w4-engine-inf
-    snap engine-rate-inf
+  # the same requests to the engine model (token ids, no tokenizer/guard/detokenizer hops)
+  if [ "$TARGET" != engine ]; then
+    for rate in $ENGINE_RATES; do
+      want=60 min=30
+      [ "$rate" != inf ] && read -r want min < <(awk -v n="$NUM_PROMPTS" -v r="$rate" \
+        'BEGIN { printf "%d %d\n", 60 + 1.15 * n / r, 15 + n / r }')
+      step "w4-engine-rate-$rate" "$want" "$min" "$reserve" "${bench[@]}" --url "$GRPC_URL" \
+        --model engine --name "$NAME-engine" --request-rate "$rate" \
+        --cache-salt "w4-engine-$rate" --details "$OUT/details-engine-$rate.csv"
+      snap "engine-rate-$rate"
+    done
   fi
   [ -f "$OUT/stats.txt" ] && cat "$OUT/stats.txt"
 fi
@@ -210,10 +221,11 @@ stop_server
 grep -E "engine ready|Traceback|Error" "$OUT/triton.log" | head -n 5 | cut -c1-200
 
 # -- the same requests offline ----------------------------------------------------------------
-step w4-offline "$OFFLINE_S" 30 10 "$PY" perf/w4_offline.py --model-dir "$MODEL_DIR" \
+(( OFFLINE_S > 0 )) && step w4-offline "$OFFLINE_S" 30 10 "$PY" perf/w4_offline.py --model-dir "$MODEL_DIR" \
   --name "$NAME" "${SETTINGS[@]}" --target "$TARGET" --num-prompts "$NUM_PROMPTS" \
   --scale "$SCALE" --since "$T0"
 
 echo "=== done in $(( $(date +%s) - T0 ))s"
 timeout 60 "$PY" perf/w4_tools.py summary --name "$NAME" --gpu "$GPU" --rates "$RATES" \
+  --engine-rates "$ENGINE_RATES" \
   --concurrency $CONCURRENCIES --out-dir "$OUT" --since "$T0"

@@ -170,7 +170,7 @@ def summary(a) -> None:
     res_dir = os.path.join(HERE, "results")
     rows = []
     variants = [(r, a.name, "ensemble") for r in a.rates.split()]
-    variants.append(("inf", f"{a.name}-engine", "engine"))
+    variants += [(r, f"{a.name}-engine", "engine") for r in a.engine_rates.split()]
     for rate, name, target in variants:
         r = fresh_result(f"W4-{name}-{a.gpu}-{rate}", a.since)
         if r is None:
@@ -291,6 +291,7 @@ def main():
     m.add_argument("--gpu", required=True)
     m.add_argument("--rates", required=True)
     m.add_argument("--concurrency", nargs="*", default=[])
+    m.add_argument("--engine-rates", default="inf", help="rates also sent to the engine model")
     m.add_argument("--out-dir", required=True)
     m.add_argument("--since", type=float, default=0.0)
     t = sub.add_parser("stats")
