@@ -2,6 +2,7 @@
 pass, per-request histograms get every observation, the inter-token latency histogram's
 counter series get exact counts with one increment per changed series, and only the newest
 stats snapshot is published."""
+import threading
 from types import SimpleNamespace
 
 from pagedbackend.serving.metrics import ServingMetrics
@@ -10,17 +11,21 @@ from pagedbackend.serving.metrics import ServingMetrics
 class FakeMetric:
     def __init__(self, calls):
         self.calls, self.total, self.observed, self.value = calls, 0.0, [], None
+        self.threads = set()
 
     def increment(self, v):
         self.calls.append("increment")
+        self.threads.add(threading.current_thread().name)
         self.total += v
 
     def observe(self, v):
         self.calls.append("observe")
+        self.threads.add(threading.current_thread().name)
         self.observed.append(v)
 
     def set(self, v):
         self.calls.append("set")
+        self.threads.add(threading.current_thread().name)
         self.value = v
 
 
@@ -58,7 +63,6 @@ def test_a_batch_of_events_costs_one_increment_per_counter():
                                    ("done", "stop", 1.0, 12, 3), ("done", "length", 2.0, 5, 9),
                                    ("stats", stats(4, 1)), ("stats", stats(2, 3))]
     m.apply_batch(events)
-    m.close()
     get = lambda name, **kw: fams.metrics[(name, tuple(sorted({"model_name": "m", **kw}.items())))]
     assert get("vllm:generation_tokens_total").total == 200
     assert get("vllm:prompt_tokens_total").total == 42
@@ -97,3 +101,20 @@ def test_inter_token_latency_buckets_are_cumulative_and_cost_one_call_per_series
     # one increment per series per pass: 20 buckets + sum + count, then the 14 buckets from
     # le=0.2 up + sum + count for 0.2 x 2
     assert fams.calls.count("increment") == 22 + 16
+
+
+def test_metrics_are_published_by_the_engine_loops_sender_thread():
+    """The sender thread, the one that sends responses, also makes every metric call."""
+    from test_serving_loop import FakeEngine, run_loop, stream_all
+
+    fams = FakeFamilies()
+    m = ServingMetrics(fams, "m", min_pass_s=0.01)
+    loop = run_loop(FakeEngine(), metrics=m)
+    stream_all(loop, 8, max_tokens=5)
+    get = lambda name, **kw: fams.metrics[(name, tuple(sorted({"model_name": "m", **kw}.items())))]
+    sent_by = set().union(*(metric.threads for metric in fams.metrics.values()))
+    m.close()        # publishes what the last pass left (on the closing thread)
+    assert get("vllm:generation_tokens_total").total == 8 * 5
+    assert get("vllm:request_success_total", finished_reason="length").total == 8
+    assert get("vllm:inter_token_latency_seconds_count").total == 8 * 4
+    assert sent_by <= {"engine-sender"} and sent_by

@@ -371,6 +371,8 @@ class EngineLoop:
             if now - last_poll >= self._cancel_poll_s and not stopping:
                 last_poll = now
                 self._poll_cancels()
+            if self.metrics is not None:
+                self.metrics.pump()     # the metrics' IPC calls are made on this thread too
 
     def _poll_cancels(self) -> None:
         with self._lock:

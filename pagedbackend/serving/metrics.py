@@ -1,9 +1,12 @@
 """vLLM-named metrics published through Triton's custom metrics API (pb_utils.MetricFamily).
 
-The engine loop only enqueues events (cheap, never blocks); one metrics thread applies them, and
-the loop's periodic `EngineStats` snapshot, to the Triton metric objects, taking whatever has
-queued up at once (one increment per counter per pass, at most one pass per `min_pass_s`).
-`families` is anything with pb_utils' MetricFamily interface, so tests pass a fake.
+The engine loop only enqueues events (cheap, never blocks). They and the loop's periodic
+`EngineStats` snapshot are applied to the Triton metric objects in passes that take whatever has
+queued up at once (one increment per counter per pass, at most one pass per `min_pass_s`), by
+whoever calls `pump()`: the engine model's sender thread, so that one thread makes all the
+stub's IPC calls (a separate metrics thread making them alongside the sender is what the engine
+model had when tritonserver died of heap corruption under load). `families` is anything with
+pb_utils' MetricFamily interface, so tests pass a fake.
 
 Every metric call is an IPC round trip from the stub to the server process. Per-request
 histograms (TTFT, e2e, ...) observe once per request, which is cheap; the inter-token latency
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import queue
-import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -135,10 +137,8 @@ class ServingMetrics:
                                             "Generation tokens per request.", TOKEN_BUCKETS)
         self._totals = {"preemptions": 0.0, "prefix_queries": 0.0, "prefix_hits": 0.0}
         self._min_pass_s = min_pass_s
+        self._last_pass = 0.0
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._apply_all, name="engine-metrics",
-                                        daemon=True)
-        self._thread.start()
 
     # ---- called from the engine loop: enqueue only -----------------------------------------
     def on_first_token(self, ttft: float, queue_time: Optional[float], prompt_tokens: int):
@@ -156,23 +156,25 @@ class ServingMetrics:
     def on_stats(self, stats: Any):
         self._events.put(("stats", stats))
 
-    def close(self, timeout: float = 5.0) -> None:
-        self._events.put(None)
-        self._thread.join(timeout)
+    def close(self) -> None:
+        """Publish what is still queued (call it once the pumping thread has stopped)."""
+        self.pump(force=True)
 
-    # ---- metrics thread ---------------------------------------------------------------------
-    def _apply_all(self) -> None:
-        while True:
-            start = time.monotonic()
-            batch, stopping = take_batch(self._events)
-            try:
-                self.apply_batch(batch)
-            except Exception as e:  # noqa: BLE001 - metrics must never take the model down
-                self._log(f"metrics update failed: {type(e).__name__}: {e}")
-            if stopping:
-                return
-            # Let events gather: a pass costs about the same IPC whether it carries 1 or 1000.
-            time.sleep(max(0.0, self._min_pass_s - (time.monotonic() - start)))
+    # ---- the thread that owns the stub's IPC ------------------------------------------------
+    def pump(self, force: bool = False) -> None:
+        """Apply what has queued, unless the last pass was less than `min_pass_s` ago (never
+        blocks; call it often from the thread that owns the stub's IPC)."""
+        now = time.monotonic()
+        if not force and now - self._last_pass < self._min_pass_s:
+            return
+        self._last_pass = now
+        batch = take_batch(self._events, 0)[0]
+        if not batch:
+            return
+        try:
+            self.apply_batch(batch)
+        except Exception as e:  # noqa: BLE001 - metrics must never take the model down
+            self._log(f"metrics update failed: {type(e).__name__}: {e}")
 
     def apply_batch(self, events: list) -> None:
         """Apply queued events with one increment per counter and only the newest stats
