@@ -150,6 +150,7 @@ def test_engine_model_takes_token_ids(triton, tokenizer):  # noqa: F811
 
 
 def test_16_concurrent_streams_and_token_counters(triton):  # noqa: F811
+    time.sleep(1.0)          # counters publish every 0.1 s: let earlier tests' tokens land first
     before = metrics(triton)
     results, errors = [None] * 16, []
 
