@@ -219,6 +219,8 @@ fi
 echo "=== server stop ($(date +%T))"
 stop_server
 grep -E "engine ready|Traceback|Error" "$OUT/triton.log" | head -n 5 | cut -c1-200
+# the engine loop's own account of each busy period (one per benchmark step, in order)
+grep -o "busy period: .*" "$OUT/triton.log" | tail -n 10 | cut -c1-600
 
 # -- the same requests offline ----------------------------------------------------------------
 (( OFFLINE_S > 0 )) && step w4-offline "$OFFLINE_S" 30 10 "$PY" perf/w4_offline.py --model-dir "$MODEL_DIR" \

@@ -1,6 +1,7 @@
 """The engine model's threads (EngineLoop) with a fake engine and fake response senders:
 deltas, exactly one final per request on success / error / cancel / engine death, and the
 context ids the detokenizer needs (checked with a SentencePiece-style byte-fallback tokenizer)."""
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -346,3 +347,33 @@ def test_real_async_engine_behind_the_loop_streams_and_cancels(tmp_path):
     assert len(finals(victim)) == 1 and victim.items[-1].error_kind == "cancelled"
     engine.check_invariants()
     assert engine.stats().num_used_blocks == 0
+
+
+def test_each_busy_period_is_reported_once_from_the_sender_thread():
+    class TimedEngine(FakeEngine):
+        def timing_summary(self, reset=False):
+            return {"steps": self.steps, "host_ms": 0.5, "note": "not a number"}
+
+    lines, threads = [], set()
+
+    def info(line):
+        lines.append(line)
+        threads.add(threading.current_thread().name)
+
+    loop = run_loop(TimedEngine(), info=info)
+    for burst in range(2):                     # two busy periods with idle time between
+        senders = [Sender() for _ in range(3)]
+        for s in senders:
+            loop.submit(s, req(prompt=[5, 6, 7], max_tokens=4))
+        assert all(s.done.wait(10) for s in senders)
+        deadline = time.time() + 5
+        while len(lines) <= burst and time.time() < deadline:
+            time.sleep(0.01)
+    loop.shutdown()
+    assert len(lines) == 2 and threads == {"engine-sender"}
+    for line in lines:
+        # 4 tokens each: 4 steps, more if the loop woke between the three submits
+        m = re.match(r"busy period: [0-9.]+ s, (\d+) steps, engine.step \d+% of the wall", line)
+        assert m and 4 <= int(m.group(1)) <= 6, line
+        assert "engine step split: steps " in line and "host_ms 0.5" in line
+        assert "not a number" not in line

@@ -109,8 +109,13 @@ class EngineLoop:
     def __init__(self, engine: Any, send: Callable[[Any, Outgoing], None], metrics: Any = None,
                  log: Callable[[str], None] = print, on_dead: Optional[Callable[[], None]] = None,
                  cancel_poll_s: float = 0.05, stats_period_s: float = 0.5,
-                 coalesce: bool = True, max_responses_per_s: float = 0.0):
+                 coalesce: bool = True, max_responses_per_s: float = 0.0,
+                 info: Optional[Callable[[str], None]] = None):
         self.engine, self._send, self.metrics, self._log = engine, send, metrics, log
+        # Called on the sender thread (stub IPC stays there) with one line per busy period:
+        # where the loop's time went, for comparing the engine behind Triton with offline runs.
+        self._info = info
+        self._notes: queue.SimpleQueue = queue.SimpleQueue()
         self._coalesce = coalesce
         # > 0: streamed responses of all requests together stay near this rate; each request
         # then sends every len(live) / rate seconds, its steps merged (first and last at once).
@@ -178,19 +183,30 @@ class EngineLoop:
     # ---- loop thread ----------------------------------------------------------------------
     def _run(self) -> None:
         last_stats = 0.0
+        period = None           # [start, steps, step_s, outputs_s, outputs] of this busy period
         try:
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished()
                 self._take_inbox(block=not busy)
                 self._take_cancels()
                 if self.engine.has_unfinished():
+                    t0 = time.monotonic()
+                    if period is None:
+                        period = [t0, 0, 0.0, 0.0, 0]
                     outputs = self.engine.step()
                     now = time.monotonic()
                     for out in outputs:
                         self._on_output(out, now)
+                    period[1] += 1
+                    period[2] += now - t0
+                    period[3] += time.monotonic() - now
+                    period[4] += len(outputs)
                     busy = True
                 now = time.monotonic()
                 idle_now = not self.engine.has_unfinished()
+                if busy and idle_now and period is not None:
+                    self._note_period(period, now)
+                    period = None
                 if now - last_stats >= self._stats_period_s or (busy and idle_now):
                     last_stats = now
                     if self.metrics is not None:
@@ -203,6 +219,25 @@ class EngineLoop:
             self._finish(rid, Outgoing(live.handle, error="the server is shutting down",
                                        error_kind="unavailable", final=True))
         self._drain_inbox_with_error("the server is shutting down")
+
+    def _note_period(self, period: list, now: float) -> None:
+        """Queue one line on where a busy period's time went (sent by the sender thread)."""
+        if self._info is None:
+            return
+        start, steps, step_s, out_s, outputs = period
+        wall = max(now - start, 1e-9)
+        line = (f"busy period: {wall:.2f} s, {steps} steps, engine.step {step_s / wall:.0%} of "
+                f"the wall, output handling {out_s / wall:.0%} "
+                f"({out_s / max(outputs, 1) * 1e6:.1f} us per request-step)")
+        summary = getattr(self.engine, "timing_summary", None)
+        if summary is not None:
+            try:
+                split = summary(reset=True)
+                line += "; engine step split: " + ", ".join(
+                    f"{k} {v:.3g}" for k, v in split.items() if isinstance(v, (int, float)))
+            except Exception as e:  # noqa: BLE001 - a note must never stop the loop
+                line += f"; no step split ({type(e).__name__})"
+        self._notes.put(line)
 
     def _take_inbox(self, block: bool) -> None:
         for item in take_batch(self._inbox, 0.1 if block else 0)[0]:
@@ -373,6 +408,11 @@ class EngineLoop:
                 self._poll_cancels()
             if self.metrics is not None:
                 self.metrics.pump()     # the metrics' IPC calls are made on this thread too
+            for line in take_batch(self._notes, 0)[0]:
+                try:
+                    self._info(line)
+                except Exception:  # noqa: BLE001
+                    pass
 
     def _poll_cancels(self) -> None:
         with self._lock:

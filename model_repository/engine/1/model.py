@@ -56,7 +56,8 @@ class TritonPythonModel:
         served = params.get("served_model_name") or Path(config.model).name
         self.metrics = ServingMetrics(pb_utils, served, log=self.log.log_warn)
         self.loop = EngineLoop(self.engine, self._send, self.metrics, log=self.log.log_error,
-                               on_dead=self._unload_self, **streaming).start()
+                               on_dead=self._unload_self, info=self.log.log_info,
+                               **streaming).start()
         self.log.log_info(f"engine ready: {self.engine.info}")
 
     def execute(self, requests):
