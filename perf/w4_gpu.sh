@@ -76,6 +76,13 @@ done
   echo true || echo false)")
 
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+# "want min" seconds for a serve_bench step at a rate: the arrivals alone take NUM_PROMPTS / rate
+# seconds; at rate inf, want = $2 and min = 30.
+rate_limits() {
+  if [ "$1" = inf ]; then echo "$2 30"; return; fi
+  awk -v n="$NUM_PROMPTS" -v r="$1" 'BEGIN { printf "%d %d\n", 60 + 1.15 * n / r, 15 + n / r }'
+}
+
 STEP_PID=
 step() {  # name want_s min_s reserve_s command...: run with limit min(want, left - reserve)
   local name=$1 want=$2 min=$3 reserve=$4; shift 4
@@ -181,10 +188,7 @@ if [ "$READY" = 1 ]; then
   snap start
   first=1
   for rate in $RATES; do
-    # the arrivals alone take NUM_PROMPTS / rate seconds
-    want=150 min=30
-    [ "$rate" != inf ] && read -r want min < <(awk -v n="$NUM_PROMPTS" -v r="$rate" \
-      'BEGIN { printf "%d %d\n", 60 + 1.15 * n / r, 15 + n / r }')
+    read -r want min < <(rate_limits "$rate" 150)
     warm=(); (( first )) && warm=(--warmup 16)
     step "w4-rate-$rate" "$want" "$min" "$reserve" "${bench[@]}" --url "$GRPC_URL" \
       --request-rate "$rate" --cache-salt "w4-rate-$rate" --details "$OUT/details-$rate.csv" \
@@ -205,9 +209,7 @@ if [ "$READY" = 1 ]; then
   # the same requests to the engine model (token ids, no tokenizer/guard/detokenizer hops)
   if [ "$TARGET" != engine ]; then
     for rate in $ENGINE_RATES; do
-      want=60 min=30
-      [ "$rate" != inf ] && read -r want min < <(awk -v n="$NUM_PROMPTS" -v r="$rate" \
-        'BEGIN { printf "%d %d\n", 60 + 1.15 * n / r, 15 + n / r }')
+      read -r want min < <(rate_limits "$rate" 60)
       step "w4-engine-rate-$rate" "$want" "$min" "$reserve" "${bench[@]}" --url "$GRPC_URL" \
         --model engine --name "$NAME-engine" --request-rate "$rate" \
         --cache-salt "w4-engine-$rate" --details "$OUT/details-engine-$rate.csv"
@@ -219,7 +221,8 @@ fi
 echo "=== server stop ($(date +%T))"
 stop_server
 grep -E "engine ready|Traceback|Error" "$OUT/triton.log" | head -n 5 | cut -c1-200
-# the engine loop's own account of each busy period (one per benchmark step, in order)
+# the engine loop's own account of its last busy periods (one per step at rate inf; at low
+# rates the engine idles between requests and each burst is a period of its own)
 grep -o "busy period: .*" "$OUT/triton.log" | tail -n 10 | cut -c1-600
 
 # -- the same requests offline ----------------------------------------------------------------
