@@ -86,6 +86,16 @@ class Outgoing:
 
 
 @dataclass
+class _BusyPeriod:
+    """The engine loop's time from its first step after idling to idling again."""
+    start: float
+    steps: int = 0
+    step_s: float = 0.0            # in engine.step()
+    outputs_s: float = 0.0         # turning its outputs into responses
+    outputs: int = 0
+
+
+@dataclass
 class _Live:
     handle: Any
     req: ParsedRequest
@@ -183,7 +193,7 @@ class EngineLoop:
     # ---- loop thread ----------------------------------------------------------------------
     def _run(self) -> None:
         last_stats = 0.0
-        period = None           # [start, steps, step_s, outputs_s, outputs] of this busy period
+        period: Optional[_BusyPeriod] = None
         try:
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished()
@@ -191,16 +201,15 @@ class EngineLoop:
                 self._take_cancels()
                 if self.engine.has_unfinished():
                     t0 = time.monotonic()
-                    if period is None:
-                        period = [t0, 0, 0.0, 0.0, 0]
+                    period = period or _BusyPeriod(t0)
                     outputs = self.engine.step()
                     now = time.monotonic()
                     for out in outputs:
                         self._on_output(out, now)
-                    period[1] += 1
-                    period[2] += now - t0
-                    period[3] += time.monotonic() - now
-                    period[4] += len(outputs)
+                    period.steps += 1
+                    period.step_s += now - t0
+                    period.outputs_s += time.monotonic() - now
+                    period.outputs += len(outputs)
                     busy = True
                 now = time.monotonic()
                 idle_now = not self.engine.has_unfinished()
@@ -220,15 +229,14 @@ class EngineLoop:
                                        error_kind="unavailable", final=True))
         self._drain_inbox_with_error("the server is shutting down")
 
-    def _note_period(self, period: list, now: float) -> None:
+    def _note_period(self, p: _BusyPeriod, now: float) -> None:
         """Queue one line on where a busy period's time went (sent by the sender thread)."""
         if self._info is None:
             return
-        start, steps, step_s, out_s, outputs = period
-        wall = max(now - start, 1e-9)
-        line = (f"busy period: {wall:.2f} s, {steps} steps, engine.step {step_s / wall:.0%} of "
-                f"the wall, output handling {out_s / wall:.0%} "
-                f"({out_s / max(outputs, 1) * 1e6:.1f} us per request-step)")
+        wall = max(now - p.start, 1e-9)
+        line = (f"busy period: {wall:.2f} s, {p.steps} steps, engine.step "
+                f"{p.step_s / wall:.0%} of the wall, output handling {p.outputs_s / wall:.0%} "
+                f"({p.outputs_s / max(p.outputs, 1) * 1e6:.1f} us per request-step)")
         summary = getattr(self.engine, "timing_summary", None)
         if summary is not None:
             try:
