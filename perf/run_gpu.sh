@@ -43,6 +43,12 @@ for s in $stages; do
              run serve500 170 env RATES="inf 16" ENGINE_RATES="" SKIP_PA=1 OFFLINE_S=0 \
                NAME=llama-3.1-8b-budget500 EXTRA_SETTINGS="max_responses_per_s=500" \
                BUDGET_S=160 OUT="$out/w4-budget500" bash perf/w4_gpu.sh ;;
+    # W4 at max_num_seqs 512 (all 500 requests admitted at once: rates inf and 16, offline) and,
+    # in the same call, the 256 baseline (rate inf, offline); ensemble only, no perf_analyzer
+    seqs) run seqs512 330 env MAX_NUM_SEQS=512 RATES="inf 16" ENGINE_RATES="" SKIP_PA=1 \
+            NAME=llama-3.1-8b-seqs512 BUDGET_S=320 OUT="$out/w4-seqs512" bash perf/w4_gpu.sh
+          run seqs256 220 env MAX_NUM_SEQS=256 RATES="inf" ENGINE_RATES="" SKIP_PA=1 \
+            NAME=llama-3.1-8b-seqs256 BUDGET_S=210 OUT="$out/w4-seqs256" bash perf/w4_gpu.sh ;;
   esac
 done
 # At most 8 files come back from a device call: everything but the result JSONs travels as one
