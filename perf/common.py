@@ -63,15 +63,22 @@ def engine_overrides() -> dict:
     return {} if v == "" else {"async_scheduling": v == "1"}
 
 
+# A/B switches of a run -> the suffix of its result file: async scheduling off, cuBLAS for every
+# matmul (no skinny-GEMM kernel for decode batches of 1-4 rows).
+AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "cublas"}
+
+
 def write_result(workload: str, model: str, data: dict, suffix: str = "") -> str:
     """perf/results/<workload>-<model>-<gpu>[-<suffix>].json (also under $OUT when remote);
-    a run with async scheduling forced off (PERF_ASYNC=0) gets the suffix "sync"."""
+    the A/B switches in AB_SUFFIXES, when set, add their suffix (and are recorded)."""
     record = {"date": datetime.date.today().isoformat(), "commit": commit(), "gpu": gpu_name(),
               "workload": workload, "model": model,
               "async_scheduling": {"0": False, "1": True}.get(os.environ.get("PERF_ASYNC", ""),
                                                               "default"), **data}
-    if os.environ.get("PERF_ASYNC") == "0":
-        suffix = f"{suffix}-sync" if suffix else "sync"
+    for (var, value), tag in AB_SUFFIXES.items():
+        if os.environ.get(var) == value:
+            record[var] = value
+            suffix = f"{suffix}-{tag}" if suffix else tag
     name = f"{workload}-{model}-{gpu_tag()}{'-' + suffix if suffix else ''}.json"
     out_dirs = [os.path.join(HERE, "results")]
     if os.environ.get("OUT"):

@@ -22,6 +22,7 @@ for s in $stages; do
     w1) run w1 150 python3 perf/w1_decode.py --profile ;;
     w1eager) run w1eager 120 python3 perf/w1_decode.py --enforce-eager ;;
     w1sync) PERF_ASYNC=0 run w1sync 120 python3 perf/w1_decode.py ;;
+    w1cublas) PAGEDBACKEND_SKINNY_GEMM=0 run w1cublas 120 python3 perf/w1_decode.py ;;
     w2sync) PERF_ASYNC=0 run w2sync 150 python3 perf/w2_fixed.py --shapes 128-128 ;;
     w2syncprof) PERF_ASYNC=0 run w2syncprof 180 python3 perf/w2_fixed.py --shapes 128-128 --profile ;;
     w2mem80) run w2mem80 150 python3 perf/w2_fixed.py --shapes 128-128 --gpu-memory-utilization 0.8 --suffix mem80 ;;

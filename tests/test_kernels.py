@@ -247,6 +247,46 @@ def test_rotary_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_store_kv_matches_rotary_then_store(dtype):
+    from pagedbackend.kernels.rotary import rotary_store_kv
+    hq, hkv, d = SHAPES[4]
+    q, k, v, kc, vc, meta = make_batch([5, 1, 1], [37, 20, 3], 16, hq, hkv, d, dtype, pad=2)
+    cache = torch_rotary.build_cos_sin_cache(d, 64, 10000.0, None, dtype, DEV)
+    positions = torch.cat([torch.arange(32, 37), torch.tensor([19, 2]),
+                           torch.randint(0, 64, (2,))]).to(DEV)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    k_before = k.clone()
+    ref_q, ref_k = _rotary_ref_fp32(q, positions, cache), _rotary_ref_fp32(k, positions, cache)
+    write_kv_cache(ref_k.to(dtype), v, kc_ref, vc_ref, meta.slot_mapping)
+    out_q = rotary_store_kv(q, k, v, positions, cache, kc, vc, meta.slot_mapping)
+    assert out_q.data_ptr() == q.data_ptr() and rel_err(q, ref_q) < EXACTISH[dtype]
+    assert torch.equal(k, k_before)                         # k is rotated into the cache only
+    assert torch.equal(vc, vc_ref)                          # v copied, padding rows skipped
+    assert rel_err(kc, kc_ref) < EXACTISH[dtype]
+    assert not kc.isnan().any()
+    untouched = torch.ones(kc.shape[0] * kc.shape[1], dtype=torch.bool, device=DEV)
+    untouched[meta.slot_mapping[meta.slot_mapping >= 0]] = False
+    assert torch.equal(kc.flatten(0, 1)[untouched], kc_ref.flatten(0, 1)[untouched])
+
+
+def test_backend_rope_matches_torch_backend():
+    """The model's call: rotary handed to the backend (fused into the KV write on triton)."""
+    from pagedbackend.layers.attention import TorchAttentionBackend
+    hq, hkv, d = SHAPES[2]
+    dtype = torch.float32
+    q, k, v, kc, vc, meta = make_batch([6, 1], [40, 9], 16, hq, hkv, d, dtype)
+    cache = torch_rotary.build_cos_sin_cache(d, 64, 10000.0, None, dtype, DEV)
+    positions = torch.cat([torch.arange(34, 40), torch.tensor([8])]).to(DEV)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref = TorchAttentionBackend().forward(q.clone(), k.clone(), v, kc_ref, vc_ref, meta,
+                                          d ** -0.5, rope=(positions, cache))
+    out = kernels.TritonAttentionBackend(prefill_config=SMALL_TILES).forward(
+        q, k, v, kc, vc, meta, d ** -0.5, rope=(positions, cache))
+    assert rel_err(kc, kc_ref) < EXACTISH[dtype] and torch.equal(vc, vc_ref)
+    assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_silu_and_mul_matches_reference(dtype):
     t, i = (300, 14336) if CUDA else (5, 1100)        # i > one 1024-column block: a masked tail
     x = (2 * torch.randn(t, 2 * i, device=DEV)).to(dtype)
@@ -257,3 +297,36 @@ def test_silu_and_mul_matches_reference(dtype):
     # a 3-D input and a row-strided one (a view into a wider buffer)
     wide = torch.randn(3, 2, 2 * i + 64, device=DEV).to(dtype)[..., :2 * i]
     assert rel_err(kernels.silu_and_mul(wide), torch_act.silu_and_mul_torch(wide)) < EXACTISH[dtype]
+
+
+# ---------------------------------------------------------------------------- skinny GEMM
+
+@pytest.mark.parametrize("cfg", __import__("pagedbackend.kernels.gemv", fromlist=["x"]).CANDIDATES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_skinny_linear_matches_reference(cfg, dtype):
+    from pagedbackend.kernels.gemv import skinny_linear
+    # one shape with N and K multiples of every tile, one with ragged N and K (masked tails)
+    shapes = [(6144, 4096), (1000, 1100)] if CUDA else [(64, 256), (40, 100)]
+    for n, k in shapes:
+        for m in (1, 3, 4):
+            x = torch.randn(m, k, device=DEV).to(dtype)
+            w = (torch.randn(n, k, device=DEV) / k ** 0.5).to(dtype)
+            b = torch.randn(n, device=DEV).to(dtype) if m == 3 else None
+            ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+            out = skinny_linear(x, w, b, cfg)
+            assert out.shape == (m, n) and out.dtype == dtype
+            assert rel_err(out, ref) < REL_TOL[dtype], (n, k, m)
+
+
+@pytest.mark.skipif(not CUDA, reason="the cuBLAS-vs-triton choice is timed on a CUDA device")
+def test_linear_dispatch_tunes_once_and_matches_cublas():
+    from pagedbackend.kernels import gemv
+    from pagedbackend.layers.linear import linear
+    n, k = 4096, 4096
+    w = (torch.randn(n, k, device=DEV) / k ** 0.5).to(torch.bfloat16)
+    for m in (1, 2, 4, 16):
+        x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+        out = linear(x, w)
+        assert rel_err(out, torch.nn.functional.linear(x, w)) < REL_TOL[torch.bfloat16]
+    keys = [key for key in gemv._CHOICE if key[2:4] == (n, k)]
+    assert sorted(key[1] for key in keys) == [1, 2, 4]       # 16 rows never reach the tuner

@@ -7,6 +7,7 @@ from pagedbackend.kernels.cache import store_kv_cache
 from pagedbackend.kernels.common import num_sms
 from pagedbackend.kernels.decode import choose_num_splits, max_split_rows, paged_decode_attention
 from pagedbackend.kernels.prefill import paged_prefill_attention
+from pagedbackend.kernels.rotary import rotary_store_kv
 
 
 class TritonAttentionBackend:
@@ -45,8 +46,11 @@ class TritonAttentionBackend:
             self._scratch[key] = buf
         return buf
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None):
+        if rope is None:
+            store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:   # one kernel: q rotated in place, k rotated on its way into the cache
+            q = rotary_store_kv(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         b = meta.seq_lens.shape[0]
         decode_only = meta.max_query_len == 1

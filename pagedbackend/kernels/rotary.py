@@ -10,17 +10,30 @@ from pagedbackend.kernels.common import next_pow2
 
 
 @triton.jit
-def _rotate_heads(x_ptr, t, stride_t, stride_h, cos, sin,
+def _rotate_heads(src, stride_h, dst, dst_stride_h, cos, sin,
                   NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
                   BLOCK_HALF: tl.constexpr):
+    """Rotate one token's heads read at src (head stride stride_h) and write them at dst
+    (src itself for in place, or a KV-cache slot)."""
     h = tl.arange(0, BLOCK_H)
     i = tl.arange(0, BLOCK_HALF)
     mask = (h < NUM_HEADS)[:, None] & (i < HALF)[None, :]
-    p1 = x_ptr + t * stride_t + h[:, None] * stride_h + i[None, :]
+    p1 = src + h[:, None] * stride_h + i[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(p1, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    d1 = dst + h[:, None] * dst_stride_h + i[None, :]
+    tl.store(d1, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(d1 + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    cs = cache_ptr + pos * stride_c + i
+    cos = tl.load(cs, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cs + HALF, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+    return cos, sin
 
 
 @triton.jit
@@ -30,14 +43,11 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr,
                    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
-    cs = cache_ptr + pos * stride_c + i
-    cos = tl.load(cs, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cs + HALF, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
-    _rotate_heads(q_ptr, t, stride_qt, stride_qh, cos, sin, NUM_Q_HEADS, BLOCK_HQ, HALF,
-                  BLOCK_HALF)
-    _rotate_heads(k_ptr, t, stride_kt, stride_kh, cos, sin, NUM_KV_HEADS, BLOCK_HKV, HALF,
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF, BLOCK_HALF)
+    q = q_ptr + t * stride_qt
+    k = k_ptr + t * stride_kt
+    _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, NUM_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF)
+    _rotate_heads(k, stride_kh, k, stride_kh, cos, sin, NUM_KV_HEADS, BLOCK_HKV, HALF,
                   BLOCK_HALF)
 
 
@@ -60,3 +70,62 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv, BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv),
         HALF=half, BLOCK_HALF=next_pow2(half), num_warps=4 if hq * half >= 1024 else 1)
     return q, k
+
+
+@triton.jit
+def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cache_ptr, slot_ptr,
+                         k_cache_ptr, v_cache_ptr,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_c, stride_kcb, stride_kcs, stride_kch,
+                         stride_vcb, stride_vcs, stride_vch,
+                         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                         BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                         HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF, BLOCK_HALF)
+    q = q_ptr + t * stride_qt
+    _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, NUM_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:                    # -1: a padding row, nothing to cache
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs
+        _rotate_heads(k_ptr + t * stride_kt, stride_kh, kc, stride_kch, cos, sin, NUM_KV_HEADS,
+                      BLOCK_HKV, HALF, BLOCK_HALF)
+        h = tl.arange(0, BLOCK_HKV)
+        d = tl.arange(0, BLOCK_D)
+        mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch
+        tl.store(vc + d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """apply_rotary + store_kv_cache in one pass: q is rotated in place (and returned), k is
+    rotated on its way into k_cache (k itself is left as it was), v is copied into v_cache.
+    Rotary over part of the head (R < D) takes the two-kernel path."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if cos_sin_cache.shape[-1] != d:
+        from pagedbackend.kernels.cache import store_kv_cache
+        q, k = apply_rotary(q, k, positions, cos_sin_cache)
+        store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return q
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+    assert cos_sin_cache.stride(-1) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    if t == 0:
+        return q
+    half = d // 2
+    _rotary_store_kernel[(t,)](
+        q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv, BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv),
+        HALF=half, BLOCK_HALF=next_pow2(half), HEAD_DIM=d, BLOCK_D=next_pow2(d),
+        BLOCK_SIZE=k_cache.shape[1], num_warps=4 if hq * half >= 1024 else 1)
+    return q

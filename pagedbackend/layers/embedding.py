@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pagedbackend.layers.linear import check_divisible, narrow, new_param, tp_all_reduce
+from pagedbackend.layers.linear import (check_divisible, linear, narrow, new_param,
+                                        tp_all_reduce)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -43,7 +44,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Same sharding as the embedding, so a tied head can simply share its weight."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()
+        logits = linear(hidden, self.weight).float()
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)]

@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pagedbackend.layers.norm import USE_KERNELS
+
 
 def narrow(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
     """loaded[start:start+size] along dim; works on tensors and on lazy safetensors slices, so a
@@ -35,6 +37,17 @@ def default_weight_loader(param: torch.Tensor, loaded: Any, shard_id: Any = None
         raise ValueError(f"checkpoint tensor shape {tuple(src.shape)} does not match "
                          f"parameter shape {tuple(param.shape)}")
     param.data.copy_(src)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except for decode batches of a few rows on CUDA, where a triton kernel takes
+    the shapes it was measured faster on (pagedbackend.kernels.gemv)."""
+    if x.is_cuda and USE_KERNELS:
+        from pagedbackend.kernels.gemv import maybe_skinny_linear
+        y = maybe_skinny_linear(x, weight, bias)
+        if y is not None:
+            return y
+    return F.linear(x, weight, bias)
 
 
 def tp_all_reduce(x: torch.Tensor, tp_size: int, group) -> torch.Tensor:
@@ -77,7 +90,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, self.offsets[i], size).copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -97,5 +110,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(narrow(loaded, 1, self.tp_rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(F.linear(x, self.weight), self.tp_size, self.tp_group)
+        y = tp_all_reduce(linear(x, self.weight), self.tp_size, self.tp_group)
         return y if self.bias is None else y + self.bias

@@ -19,7 +19,7 @@ from pagedbackend.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedbackend.layers.linear import (ColumnParallelLinear, RowParallelLinear,
                                         default_weight_loader)
 from pagedbackend.layers.norm import RMSNorm
-from pagedbackend.layers.rotary import apply_rotary, build_cos_sin_cache
+from pagedbackend.layers.rotary import build_cos_sin_cache
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -136,8 +136,8 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, positions, self.cos_sin_cache)
-        o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale,
+                                 rope=(positions, self.cos_sin_cache))
         return self.o_proj(o.reshape(t, self.q_size))
 
 
