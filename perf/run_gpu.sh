@@ -25,6 +25,7 @@ for s in $stages; do
     w1cublas) PAGEDBACKEND_SKINNY_GEMM=0 run w1cublas 120 python3 perf/w1_decode.py ;;
     w2sync) PERF_ASYNC=0 run w2sync 150 python3 perf/w2_fixed.py --shapes 128-128 ;;
     w2syncprof) PERF_ASYNC=0 run w2syncprof 180 python3 perf/w2_fixed.py --shapes 128-128 --profile ;;
+    w2seqs1024) run w2seqs1024 180 python3 perf/w2_fixed.py --shapes 128-128 --max-num-seqs 1024 --suffix seqs1024 ;;
     w2mem80) run w2mem80 150 python3 perf/w2_fixed.py --shapes 128-128 --gpu-memory-utilization 0.8 --suffix mem80 ;;
     w3sync) PERF_ASYNC=0 run w3sync 120 python3 perf/w3_mix.py ;;
     w2) run w2 180 python3 perf/w2_fixed.py --shapes 128-128 --profile ;;
