@@ -8,6 +8,8 @@ from pagedbackend.kernels.common import num_sms
 from pagedbackend.kernels.decode import choose_num_splits, max_split_rows, paged_decode_attention
 from pagedbackend.kernels.prefill import paged_prefill_attention
 from pagedbackend.kernels.rotary import rotary_store_kv
+from pagedbackend.layers.norm import USE_KERNELS
+from pagedbackend.layers.rotary import apply_rotary
 
 
 class TritonAttentionBackend:
@@ -47,6 +49,9 @@ class TritonAttentionBackend:
         return buf
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None):
+        if rope is not None and not USE_KERNELS:       # the torch-rotary A/B
+            q, k = apply_rotary(q, k, *rope)
+            rope = None
         if rope is None:
             store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         else:   # one kernel: q rotated in place, k rotated on its way into the cache
