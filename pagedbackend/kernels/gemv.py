@@ -41,7 +41,10 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     m_ok = (m < M)[:, None]
     n_ok = (n < N)[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if BLOCK_M == 1:     # one row: a plain 2-D tile, the layout triton handles best
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
         if EVEN_K:
@@ -56,8 +59,14 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
             x = tl.load(x_rows + k[None, :], mask=m_ok & k_ok, other=0.0)
             w = tl.load(w_rows + k[None, :], mask=n_ok & k_ok, other=0.0,
                         eviction_policy="evict_first")
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    y = tl.sum(acc, axis=2)                                             # [BLOCK_M, BLOCK_N]
+        if BLOCK_M == 1:
+            acc1 += tl.sum(x.to(tl.float32), axis=0)[None, :] * w.to(tl.float32)
+        else:
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if BLOCK_M == 1:
+        y = tl.sum(acc1, axis=1)[None, :]                               # [1, BLOCK_N]
+    else:
+        y = tl.sum(acc, axis=2)                                         # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
