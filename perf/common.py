@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import random
 import shutil
@@ -14,6 +15,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+# The engine's start-up lines (KV blocks and concurrency, CUDA graphs, the skinny-GEMM choices,
+# warnings about mid-run kernel compiles) belong in every benchmark log.
+logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+logging.getLogger("pagedbackend").setLevel(logging.INFO)
 
 # Physical limits on the H200 (../shared/BENCHMARKS.md), output tokens/s.
 H200_BW = 4.27e12

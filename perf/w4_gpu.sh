@@ -67,7 +67,7 @@ export OUT PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
 SETTINGS=()
 for kv in "load_format=${LOAD_FORMAT:-dummy}" "dtype=${DTYPE:-bfloat16}" \
-          "max_num_seqs=${MAX_NUM_SEQS:-256}" "max_model_len=${MAX_MODEL_LEN:-4096}" \
+          "max_num_seqs=${MAX_NUM_SEQS:-512}" "max_model_len=${MAX_MODEL_LEN:-4096}" \
           "gpu_memory_utilization=${GPU_MEMORY_UTILIZATION:-0.9}" ${EXTRA_SETTINGS:-}; do
   SETTINGS+=(--setting "$kv")
 done

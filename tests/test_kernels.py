@@ -330,3 +330,37 @@ def test_linear_dispatch_tunes_once_and_matches_cublas():
         assert rel_err(out, torch.nn.functional.linear(x, w)) < REL_TOL[torch.bfloat16]
     keys = [key for key in gemv._CHOICE if key[2:4] == (n, k)]
     assert sorted(key[1] for key in keys) == [1, 2, 4]       # 16 rows never reach the tuner
+
+
+# ---------------------------------------------------------------------------- no mid-run JIT
+
+@pytest.mark.skipif(not CUDA, reason="the interpreter compiles nothing")
+@pytest.mark.parametrize("eager", [False, True])
+def test_no_kernel_compiles_after_warmup(tmp_path, eager):
+    """Requests arriving while others decode (mixed steps of every size, contexts from 1 to ~900
+    tokens, block-table widths 1 to 60, prefix hits): every kernel variant they need was built
+    by the engine's warm-up, so nothing compiles (and stalls everyone) in the middle of serving."""
+    import random
+
+    from pagedbackend import LLM, SamplingParams
+    from pagedbackend.kernels.common import COMPILES
+    from pagedbackend.testing import make_hf_checkpoint
+    make_hf_checkpoint("llama", tmp_path, seed=1, max_position_embeddings=2048)
+    llm = LLM(str(tmp_path), dtype="bfloat16", max_num_seqs=32, max_model_len=1024,
+              num_kv_blocks=4096, enforce_eager=eager)
+    engine = llm.engine
+    before = len(COMPILES.after_arm)
+    rng = random.Random(7)
+    shared = [rng.randrange(1, 150) for _ in range(40)]
+    for i in range(48):
+        n = rng.choice([1, 2, 5, 15, 16, 17, 31, 64, 130, 300, 700])
+        prompt = (shared if i % 3 == 0 else []) + [rng.randrange(1, 150) for _ in range(n)]
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.7 if i % 2 else 0, seed=i,
+                                          max_tokens=rng.choice([1, 3, 40, 200]),
+                                          ignore_eos=True))
+        for _ in range(rng.choice([0, 1, 3, 12])):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert COMPILES.armed and COMPILES.after_arm[before:] == []

@@ -354,6 +354,11 @@ def test_each_busy_period_is_reported_once_from_the_sender_thread():
         def timing_summary(self, reset=False):
             return {"steps": self.steps, "host_ms": 0.5, "note": "not a number"}
 
+        def step(self):
+            if self.steps % 2 == 0:     # slow steps in each period: the slowest is named
+                time.sleep(0.12)
+            return super().step()
+
     lines, threads = [], set()
 
     def info(line):
@@ -377,3 +382,5 @@ def test_each_busy_period_is_reported_once_from_the_sender_thread():
         assert m and 4 <= int(m.group(1)) <= 6, line
         assert "engine step split: steps " in line and "host_ms 0.5" in line
         assert "not a number" not in line
+        slow = re.search(r"slowest step ([0-9.]+) ms at \+([0-9.]+) s", line)
+        assert slow and float(slow.group(1)) >= 120 and float(slow.group(2)) < 5, line

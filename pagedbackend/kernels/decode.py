@@ -51,7 +51,9 @@ def decode_config(head_dim: int) -> dict:
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+# stride_bt is the block-table width of this step: unspecialized, or every width that is 1 or a
+# multiple of 16 would compile a variant of its own in the middle of serving.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                    query_start_loc_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
                    num_splits, stride_qt, stride_qh, stride_ot, stride_oh,

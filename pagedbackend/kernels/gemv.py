@@ -25,7 +25,7 @@ MAX_ROWS = 4
 # (BLOCK_N, BLOCK_K at one row, num_warps, num_stages); BLOCK_K shrinks as rows grow so the
 # partial products stay at <= 64 fp32 registers per thread.
 CANDIDATES = ((8, 1024, 4, 3), (16, 512, 4, 3), (16, 512, 4, 4), (32, 256, 4, 4),
-              (32, 512, 8, 3))
+              (32, 512, 8, 3), (64, 128, 4, 5), (4, 1024, 2, 4))
 MARGIN = 0.97      # the kernel must take < 97% of cuBLAS's time to replace it
 ENABLED = os.environ.get("PAGEDBACKEND_SKINNY_GEMM", "1") != "0"
 

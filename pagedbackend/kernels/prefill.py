@@ -57,7 +57,7 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, table, start, n_end, qpos,
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])   # both change every step
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
                     query_start_loc_ptr, num_seqs, scale_log2,
                     stride_qt, stride_qh, stride_ot, stride_oh,

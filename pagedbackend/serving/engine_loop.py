@@ -93,6 +93,8 @@ class _BusyPeriod:
     step_s: float = 0.0            # in engine.step()
     outputs_s: float = 0.0         # turning its outputs into responses
     outputs: int = 0
+    slowest_s: float = 0.0         # the longest single engine.step(), and when it began
+    slowest_at: float = 0.0
 
 
 @dataclass
@@ -208,6 +210,8 @@ class EngineLoop:
                         self._on_output(out, now)
                     period.steps += 1
                     period.step_s += now - t0
+                    if now - t0 > period.slowest_s:
+                        period.slowest_s, period.slowest_at = now - t0, t0 - period.start
                     period.outputs_s += time.monotonic() - now
                     period.outputs += len(outputs)
                     busy = True
@@ -236,7 +240,8 @@ class EngineLoop:
         wall = max(now - p.start, 1e-9)
         line = (f"busy period: {wall:.2f} s, {p.steps} steps, engine.step "
                 f"{p.step_s / wall:.0%} of the wall, output handling {p.outputs_s / wall:.0%} "
-                f"({p.outputs_s / max(p.outputs, 1) * 1e6:.1f} us per request-step)")
+                f"({p.outputs_s / max(p.outputs, 1) * 1e6:.1f} us per request-step), slowest "
+                f"step {p.slowest_s * 1e3:.1f} ms at +{p.slowest_at:.2f} s")
         summary = getattr(self.engine, "timing_summary", None)
         if summary is not None:
             try:

@@ -126,7 +126,9 @@ class ModelRunner:
                                        self.config.max_num_seqs, max_model_len, self.block_size)
             self.graphs.capture()
         if self.device.type == "cuda":
-            self.warmup()
+            self.warmup(context=min(300, max_model_len - 20))
+            from pagedbackend.kernels.common import COMPILES
+            COMPILES.arm()      # from here on, a kernel compile is logged as a warning
         return num_blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -160,23 +162,26 @@ class ModelRunner:
         del hidden
 
     @torch.inference_mode()
-    def warmup(self) -> None:
+    def warmup(self, context: int = 300) -> None:
         """Run eager steps of every shape class (decode rows alone, prefill alone, both mixed;
-        token counts of 1, a multiple of 16 and neither) so each triton kernel variant is
-        compiled at start: a first compile in the middle of serving stalls every request for
+        token counts of 1, a multiple of 16 and neither; short contexts and ones of `context`
+        tokens, where decode rows of a small batch split the KV) so each triton kernel variant
+        is compiled at start: a first compile in the middle of serving stalls every request for
         about a second. Writes only scratch K/V into blocks no request owns yet."""
         bs = self.block_size
-        for q_lens in ([1, 1], [17], [16], [1, 17], [1, 1, 16], [3, 1]):
-            n = len(q_lens)
-            starts = np.full(n, 3, dtype=np.int64)
-            q = np.array(q_lens, dtype=np.int64)
-            per_row = -(-(3 + max(q_lens)) // bs)
-            table = (np.arange(n * per_row) % self.num_kv_blocks).astype(np.int32)
-            table = table.reshape(n, per_row)
-            positions = np.concatenate([np.arange(3, 3 + k) for k in q_lens])
-            h = HostInputs(np.zeros(int(q.sum()), np.int64), positions, q, starts, table,
-                           list(range(n)), bs)
-            self.forward_logits(h)
+        longest = min(context, self.num_kv_blocks * bs // 4 - 20)
+        for start in sorted({3, max(3, longest)}):
+            for q_lens in ([1, 1], [17], [16], [1, 17], [1, 1, 16], [3, 1]):
+                n = len(q_lens)
+                starts = np.full(n, start, dtype=np.int64)
+                q = np.array(q_lens, dtype=np.int64)
+                per_row = -(-(start + max(q_lens)) // bs)
+                table = (np.arange(n * per_row) % self.num_kv_blocks).astype(np.int32)
+                table = table.reshape(n, per_row)
+                positions = np.concatenate([np.arange(start, start + k) for k in q_lens])
+                h = HostInputs(np.zeros(int(q.sum()), np.int64), positions, q, starts, table,
+                               list(range(n)), bs)
+                self.forward_logits(h)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -215,14 +220,15 @@ class ModelRunner:
     def upload(self, arrays: list) -> list[torch.Tensor]:
         """Integer numpy arrays -> int64 device tensors (same shapes) in one copy; from pinned
         memory on CUDA, so it neither blocks the host nor waits for earlier GPU work."""
-        flat = np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays])
+        # Every array starts on a 16-byte boundary: triton specializes kernels on pointer
+        # alignment, and views at odd offsets would compile new variants in mid-serving.
+        sizes = [int(np.size(a)) for a in arrays]
+        starts = np.concatenate([[0], np.cumsum([n + n % 2 for n in sizes])])
+        flat = np.zeros(int(starts[-1]), dtype=np.int64)
+        for a, o, n in zip(arrays, starts, sizes):
+            flat[o:o + n] = np.asarray(a, dtype=np.int64).ravel()
         dev = to_device_async(torch.from_numpy(flat), self.device)
-        out, o = [], 0
-        for a in arrays:
-            n = int(np.size(a))
-            out.append(dev[o:o + n].view(np.shape(a)))
-            o += n
-        return out
+        return [dev[o:o + n].view(np.shape(a)) for a, o, n in zip(arrays, starts, sizes)]
 
     def _upload_step(self, h: HostInputs) -> list[torch.Tensor]:
         """[tokens, positions, slots, cu, seq_lens, table, logits_idx] on the device (int64),
