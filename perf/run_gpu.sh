@@ -18,6 +18,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,nohea
 for s in $stages; do
   case $s in
     kernels) run kernels 120 python3 -m pytest -q -x tests/test_kernels.py ;;
+    # the GPU-only engine tests of the kernels file and the newest kernels' parity, ~1 min
+    kernelsnew) run kernelsnew 120 python3 -m pytest -q tests/test_kernels.py -k "skinny or compiles or rope or rotary or dispatch" ;;
     correctness) run correctness 240 python3 perf/gpu_correctness.py ;;
     w1) run w1 150 python3 perf/w1_decode.py --profile ;;
     w1eager) run w1eager 120 python3 perf/w1_decode.py --enforce-eager ;;
