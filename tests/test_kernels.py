@@ -344,10 +344,15 @@ def test_no_kernel_compiles_after_warmup(tmp_path, eager):
 
     from pagedbackend import LLM, SamplingParams
     from pagedbackend.kernels.common import COMPILES
-    from pagedbackend.testing import make_hf_checkpoint
-    make_hf_checkpoint("llama", tmp_path, seed=1, max_position_embeddings=2048)
+    import json
+
+    from pagedbackend.testing import TINY_CONFIGS
+    # config + dummy weights: no transformers import (it fails in the GPU host's numpy-1.26 env)
+    cfg = dict(TINY_CONFIGS["llama"], architectures=["LlamaForCausalLM"], model_type="llama",
+               max_position_embeddings=2048)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
     llm = LLM(str(tmp_path), dtype="bfloat16", max_num_seqs=32, max_model_len=1024,
-              num_kv_blocks=4096, enforce_eager=eager)
+              num_kv_blocks=4096, enforce_eager=eager, load_format="dummy")
     engine = llm.engine
     before = len(COMPILES.after_arm)
     rng = random.Random(7)
