@@ -301,7 +301,7 @@ def test_silu_and_mul_matches_reference(dtype):
 
 # ---------------------------------------------------------------------------- skinny GEMM
 
-@pytest.mark.parametrize("cfg", __import__("pagedbackend.kernels.gemv", fromlist=["x"]).CANDIDATES)
+@pytest.mark.parametrize("cfg", importlib.import_module("pagedbackend.kernels.gemv").CANDIDATES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_skinny_linear_matches_reference(cfg, dtype):
     from pagedbackend.kernels.gemv import skinny_linear

@@ -9,6 +9,24 @@ from pagedbackend.kernels.common import next_pow2
 
 
 @triton.jit
+def slot_address(cache_ptr, slot, stride_b, stride_s, BLOCK_SIZE: tl.constexpr):
+    """Where slot (block id * BLOCK_SIZE + offset) of a [blocks, BLOCK_SIZE, heads, D] cache
+    starts."""
+    return cache_ptr + (slot // BLOCK_SIZE) * stride_b + (slot % BLOCK_SIZE) * stride_s
+
+
+@triton.jit
+def copy_heads(src, stride_h, dst, dst_stride_h, NUM_HEADS: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token's [heads, head_dim] row from src to dst, cast to dst's dtype."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    x = tl.load(src + h[:, None] * stride_h + d[None, :], mask=mask)
+    tl.store(dst + h[:, None] * dst_stride_h + d[None, :], x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcb, stride_kcs, stride_kch,
@@ -19,17 +37,12 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
         return
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    mask = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
-    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
-    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    copy_heads(k_ptr + t * stride_kt, stride_kh,
+               slot_address(k_cache_ptr, slot, stride_kcb, stride_kcs, BLOCK_SIZE), stride_kch,
+               NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)
+    copy_heads(v_ptr + t * stride_vt, stride_vh,
+               slot_address(v_cache_ptr, slot, stride_vcb, stride_vcs, BLOCK_SIZE), stride_vch,
+               NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)
 
 
 def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -42,37 +42,29 @@ def next_pow2(n: int, floor: int = 1) -> int:
 
 
 class CompileWatch:
-    """Counts triton JIT specializations built in this process (in-memory cache misses). After
-    `arm()` (the end of the engine's warm-up) each new one is logged as a warning, because a
+    """After `arm()` (the end of the engine's warm-up), every triton JIT specialization built in
+    this process (an in-memory cache miss) is recorded and logged as a warning, because a
     compile in the middle of serving stalls every running request for about a second."""
 
     def __init__(self) -> None:
-        self.total = 0
         self.after_arm: list[str] = []
         self.armed = False
-        self._installed = False
 
-    def install(self) -> None:
+    def arm(self) -> None:
         knobs = getattr(triton, "knobs", None)
-        if self._installed or knobs is None or INTERPRET:
+        if self.armed or knobs is None or INTERPRET:
             return
         prev = knobs.runtime.jit_cache_hook
 
         def hook(**kw):
-            self.total += 1
-            if self.armed:
-                what = str(kw.get("repr", kw.get("fn", "?")))
-                self.after_arm.append(what)
-                logging.getLogger("pagedbackend").warning(
-                    "triton compiles a kernel variant after warm-up (serving stalls meanwhile): "
-                    "%s", what[:400])
+            what = str(kw.get("repr", kw.get("fn", "?")))
+            self.after_arm.append(what)
+            logging.getLogger("pagedbackend").warning(
+                "triton compiles a kernel variant after warm-up (serving stalls meanwhile): %s",
+                what[:400])
             return prev(**kw) if prev is not None else None
 
         knobs.runtime.jit_cache_hook = hook
-        self._installed = True
-
-    def arm(self) -> None:
-        self.install()
         self.armed = True
 
 

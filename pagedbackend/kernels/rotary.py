@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedbackend.kernels.cache import copy_heads, slot_address, store_kv_cache
 from pagedbackend.kernels.common import next_pow2
 
 
@@ -89,17 +90,12 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cache_ptr, slot_ptr,
     _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, NUM_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:                    # -1: a padding row, nothing to cache
-        blk = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
-        kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs
+        kc = slot_address(k_cache_ptr, slot, stride_kcb, stride_kcs, BLOCK_SIZE)
         _rotate_heads(k_ptr + t * stride_kt, stride_kh, kc, stride_kch, cos, sin, NUM_KV_HEADS,
                       BLOCK_HKV, HALF, BLOCK_HALF)
-        h = tl.arange(0, BLOCK_HKV)
-        d = tl.arange(0, BLOCK_D)
-        mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-        vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch
-        tl.store(vc + d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        copy_heads(v_ptr + t * stride_vt, stride_vh,
+                   slot_address(v_cache_ptr, slot, stride_vcb, stride_vcs, BLOCK_SIZE),
+                   stride_vch, NUM_KV_HEADS, HEAD_DIM, BLOCK_HKV, BLOCK_D)
 
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -111,7 +107,6 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     t, hq, d = q.shape
     hkv = k.shape[1]
     if cos_sin_cache.shape[-1] != d:
-        from pagedbackend.kernels.cache import store_kv_cache
         q, k = apply_rotary(q, k, positions, cos_sin_cache)
         store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         return q

@@ -126,7 +126,7 @@ class ModelRunner:
                                        self.config.max_num_seqs, max_model_len, self.block_size)
             self.graphs.capture()
         if self.device.type == "cuda":
-            self.warmup(context=min(300, max_model_len - 20))
+            self.warmup(max_model_len)
             from pagedbackend.kernels.common import COMPILES
             COMPILES.arm()      # from here on, a kernel compile is logged as a warning
         return num_blocks
@@ -162,14 +162,14 @@ class ModelRunner:
         del hidden
 
     @torch.inference_mode()
-    def warmup(self, context: int = 300) -> None:
+    def warmup(self, max_model_len: int = 1 << 30) -> None:
         """Run eager steps of every shape class (decode rows alone, prefill alone, both mixed;
-        token counts of 1, a multiple of 16 and neither; short contexts and ones of `context`
-        tokens, where decode rows of a small batch split the KV) so each triton kernel variant
-        is compiled at start: a first compile in the middle of serving stalls every request for
+        token counts of 1, a multiple of 16 and neither; short contexts and ~300-token ones,
+        where decode rows of a small batch split the KV) so each triton kernel variant is
+        compiled at start: a first compile in the middle of serving stalls every request for
         about a second. Writes only scratch K/V into blocks no request owns yet."""
         bs = self.block_size
-        longest = min(context, self.num_kv_blocks * bs // 4 - 20)
+        longest = min(300, max_model_len - 20, self.num_kv_blocks * bs // 4 - 20)
         for start in sorted({3, max(3, longest)}):
             for q_lens in ([1, 1], [17], [16], [1, 17], [1, 1, 16], [3, 1]):
                 n = len(q_lens)
