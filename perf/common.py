@@ -70,7 +70,8 @@ def engine_overrides() -> dict:
 
 # A/B switches of a run -> the suffix of its result file: async scheduling off, cuBLAS for every
 # matmul (no skinny-GEMM kernel for decode batches of 1-4 rows).
-AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "cublas"}
+AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "cublas",
+               ("PAGEDBACKEND_PDL", "0"): "nopdl"}
 
 
 def write_result(workload: str, model: str, data: dict, suffix: str = "") -> str:
@@ -153,7 +154,17 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def profile_generate(llm, prompts, params, label: str, rows: int = 18, trace: bool = False) -> dict:
+def _kernel_sequence(prof) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every device kernel in the profile, in start order."""
+    out = []
+    for e in prof.events():
+        if "CUDA" in str(e.device_type) and not e.name.startswith(("Memcpy", "Memset")):
+            out.append((e.name, e.time_range.start, e.time_range.end - e.time_range.start))
+    return sorted(out, key=lambda t: t[1])
+
+
+def profile_generate(llm, prompts, params, label: str, rows: int = 18, trace: bool = False,
+                     cycle: dict[str, int] | None = None) -> dict:
     """One llm.generate under torch.profiler: the top device kernels by total time, and how
     much of the wall time the device was busy. Prints a table; the full table goes under $OUT."""
     import torch
@@ -180,6 +191,27 @@ def profile_generate(llm, prompts, params, label: str, rows: int = 18, trace: bo
                   "host_ms": e.self_cpu_time_total / 1e3,
                   "max_us": getattr(e, "cpu_time_max", 0.0)} for e in api[:10]],
                 f"profile {label}: CUDA runtime calls on the host")
+    seq = _kernel_sequence(prof)
+    if cycle:
+        # kernels that run `k` times per layer in a fixed order (e.g. the skinny matmuls: q|k|v,
+        # o, gate|up, down): mean time per position in that order
+        rows_c = []
+        for name, k in cycle.items():
+            durs = [d for n, _, d in seq if n.startswith(name)]
+            for i in range(k):
+                part = durs[i::k]
+                if part:
+                    rows_c.append({"kernel": f"{name}[{i}/{k}]", "calls": len(part),
+                                   "mean_us": sum(part) / len(part)})
+        print_table(rows_c, f"profile {label}: per position in a layer")
+    # Device idle time between consecutive kernels (gaps under 50 us, i.e. within a step): what
+    # the launches themselves cost. Kernels that overlap (dependent launch) count as 0.
+    gaps = [b_start - (a_start + a_dur) for (_, a_start, a_dur), (_, b_start, _)
+            in zip(seq, seq[1:])]
+    small = [g for g in gaps if g < 50]
+    print(f"profile {label}: {len(seq)} kernels, idle between kernels "
+          f"{sum(max(g, 0) for g in small) / 1e3:.2f} ms, overlapping pairs "
+          f"{sum(g < 0 for g in small)}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"profile-{label}.txt"), "w") as f:
             f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60))

@@ -17,14 +17,17 @@ run() {  # name seconds command...
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 for s in $stages; do
   case $s in
-    kernels) run kernels 120 python3 -m pytest -q -x tests/test_kernels.py ;;
+    kernels) run kernels 240 python3 -m pytest -q -x tests/test_kernels.py ;;
     # the GPU-only engine tests of the kernels file and the newest kernels' parity, ~1 min
-    kernelsnew) run kernelsnew 120 python3 -m pytest -q tests/test_kernels.py -k "skinny or compiles or rope or rotary or dispatch" ;;
+    kernelsnew) run kernelsnew 120 python3 -m pytest -q tests/test_kernels.py -k "skinny or compiles or argmax or layers_run or rotary or dispatch" ;;
     correctness) run correctness 240 python3 perf/gpu_correctness.py ;;
     w1) run w1 150 python3 perf/w1_decode.py --profile ;;
     w1eager) run w1eager 120 python3 perf/w1_decode.py --enforce-eager ;;
     w1sync) PERF_ASYNC=0 run w1sync 120 python3 perf/w1_decode.py ;;
     w1cublas) PAGEDBACKEND_SKINNY_GEMM=0 run w1cublas 120 python3 perf/w1_decode.py ;;
+    # the same without programmatic dependent launch (A/B)
+    w1nopdl) PAGEDBACKEND_PDL=0 run w1nopdl 120 python3 perf/w1_decode.py ;;
+    w3nopdl) PAGEDBACKEND_PDL=0 run w3nopdl 120 python3 perf/w3_mix.py ;;
     w2sync) PERF_ASYNC=0 run w2sync 150 python3 perf/w2_fixed.py --shapes 128-128 ;;
     w2syncprof) PERF_ASYNC=0 run w2syncprof 180 python3 perf/w2_fixed.py --shapes 128-128 --profile ;;
     w2seqs1024) run w2seqs1024 180 python3 perf/w2_fixed.py --shapes 128-128 --max-num-seqs 1024 --suffix seqs1024 ;;

@@ -318,6 +318,97 @@ def test_skinny_linear_matches_reference(cfg, dtype):
             assert rel_err(out, ref) < REL_TOL[dtype], (n, k, m)
 
 
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_skinny_norm_linear_matches_norm_then_linear(residual, dtype):
+    """RMSNorm (+ residual add) run inside the matmul: the same result as the norm kernel's
+    output fed to a matmul, and the new residual is x + residual."""
+    from pagedbackend.kernels.gemv import ADD_NORM, NORM, skinny_linear
+    n, k = (6144, 4096) if CUDA else (48, 200)
+    cfg = (16, 512, 4, 3)
+    for m in (1, 2, 4):
+        x = (3 * torch.randn(m, k, device=DEV)).to(dtype)
+        r = torch.randn(m, k, device=DEV).to(dtype) if residual else None
+        g = (1 + 0.5 * torch.randn(k, device=DEV)).to(dtype)
+        w = (torch.randn(n, k, device=DEV) / k ** 0.5).to(dtype)
+        b = torch.randn(n, device=DEV).to(dtype) if m == 2 else None
+        if residual:
+            h, new_r = kernels.fused_add_rms_norm(x, r, g, 1e-5)
+            y, r_out = skinny_linear(x, w, b, cfg, ADD_NORM, r, g, 1e-5)
+            assert rel_err(r_out, new_r) < EXACTISH[dtype]
+            h_ref = torch_norm.fused_add_rms_norm_torch(x, r, g, 1e-5)[0]
+        else:
+            h = kernels.rms_norm(x, g, 1e-5)
+            y = skinny_linear(x, w, b, cfg, NORM, None, g, 1e-5)
+            h_ref = torch_norm.rms_norm_torch(x, g, 1e-5)
+        assert y.shape == (m, n) and y.dtype == dtype
+        # the same as the two kernels it replaces (rounded alike), and near the fp32 reference
+        assert rel_err(y, skinny_linear(h, w, b, cfg)) < EXACTISH[dtype], m
+        ref = torch.nn.functional.linear(h_ref.float(), w.float(), None if b is None else b.float())
+        assert rel_err(y, ref) < 2 * REL_TOL[dtype], m
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_skinny_silu_linear_matches_activation_then_linear(dtype):
+    from pagedbackend.kernels.gemv import SILU_MUL, skinny_linear
+    n, k = (4096, 14336) if CUDA else (40, 136)
+    for cfg in ((8, 1024, 4, 3), (32, 256, 4, 4)):
+        for m in (1, 3):
+            gate_up = (2 * torch.randn(m, 2 * k, device=DEV)).to(dtype)
+            w = (torch.randn(n, k, device=DEV) / k ** 0.5).to(dtype)
+            y = skinny_linear(gate_up, w, None, cfg, SILU_MUL)
+            assert y.shape == (m, n) and y.dtype == dtype
+            act = kernels.silu_and_mul(gate_up)
+            assert rel_err(y, skinny_linear(act, w, None, cfg)) < EXACTISH[dtype], (cfg, m)
+            ref = torch.nn.functional.linear(torch_act.silu_and_mul_torch(gate_up).float(),
+                                             w.float())
+            assert rel_err(y, ref) < 2 * REL_TOL[dtype], (cfg, m)
+
+
+@pytest.mark.skipif(not CUDA, reason="the layers dispatch to the kernels on CUDA only")
+def test_layers_run_the_norm_and_activation_inside_the_skinny_matmul():
+    """norm_linear / forward_silu_mul on CUDA take the fused kernels where the skinny tile is
+    the choice for the shape, and agree with the separate norm / activation + matmul."""
+    from pagedbackend.kernels import gemv
+    from pagedbackend.layers.linear import ColumnParallelLinear, RowParallelLinear, norm_linear
+    from pagedbackend.layers.norm import RMSNorm
+    h, inter, dt = 1024, 2048, torch.bfloat16
+    norm = RMSNorm(h, 1e-5, dt, DEV)
+    norm.weight.data.normal_(1.0, 0.3)
+    proj = ColumnParallelLinear(h, [h, h], False, dt, DEV)
+    proj.weight.data.normal_(0, h ** -0.5)
+    down = RowParallelLinear(inter, h, False, dt, DEV)
+    down.weight.data.normal_(0, inter ** -0.5)
+    for rows in (1, 3):
+        for w in (proj.weight, down.weight):    # make the skinny tile the choice
+            gemv._CHOICE[(w.device.index, gemv.rows_bucket(rows), *w.shape, dt)] = (16, 512, 4, 3)
+        x, r = torch.randn(rows, h, device=DEV, dtype=dt), torch.randn(rows, h, device=DEV, dtype=dt)
+        y, new_r = norm_linear(x, r, norm, proj)
+        hn, ref_r = norm(x, r)
+        assert torch.equal(new_r, ref_r) and new_r.data_ptr() != r.data_ptr()
+        assert rel_err(y, torch.nn.functional.linear(hn, proj.weight)) < EXACTISH[dt]
+        y0, r0 = norm_linear(x, None, norm, proj)
+        assert r0 is x and rel_err(y0, torch.nn.functional.linear(norm(x), proj.weight)) < EXACTISH[dt]
+        gate_up = torch.randn(rows, 2 * inter, device=DEV, dtype=dt)
+        ref = torch.nn.functional.linear(kernels.silu_and_mul(gate_up), down.weight)
+        assert rel_err(down.forward_silu_mul(gate_up), ref) < EXACTISH[dt]
+    gemv._CHOICE.clear()
+
+
+def test_argmax_rows_matches_torch_including_ties():
+    from pagedbackend.kernels.argmax import CHUNK, argmax_rows
+    v = 2 * CHUNK + 123                   # three chunks, the last one ragged
+    x = torch.randn(5, v, device=DEV).to(torch.bfloat16)
+    x[1, 7] = x[1, CHUNK + 5] = x[1, -1] = 100.0     # a tie across chunks: the first wins
+    x[2] = float("-inf")                              # nothing allowed: index 0, as torch
+    x[3, -1] = 50.0                                   # the maximum in the ragged tail
+    x[4, CHUNK:CHUNK + 2] = 60.0                      # a tie inside one chunk
+    got = argmax_rows(x)
+    assert got.dtype == torch.long and got.tolist() == x.float().argmax(dim=-1).tolist()
+    assert got.tolist()[1:] == [7, 0, v - 1, CHUNK]
+    assert argmax_rows(x.float()).tolist() == got.tolist()
+
+
 @pytest.mark.skipif(not CUDA, reason="the cuBLAS-vs-triton choice is timed on a CUDA device")
 def test_linear_dispatch_tunes_once_and_matches_cublas():
     from pagedbackend.kernels import gemv

@@ -7,11 +7,15 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedbackend.kernels.common import pdl_enter, pdl_launch
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -33,5 +37,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     o2 = out.view(-1, n)
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, BLOCK))](
-            x2, o2, n, x2.stride(0), o2.stride(0), BLOCK=BLOCK, num_warps=4)
+            x2, o2, n, x2.stride(0), o2.stride(0), BLOCK=BLOCK, num_warps=4, **pdl_launch(x2))
     return out

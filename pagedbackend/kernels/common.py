@@ -29,6 +29,47 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+# Programmatic dependent launch (Hopper+): a kernel launched with it may start while the one
+# before it finishes; it must call pdl_enter before touching anything that kernel wrote.
+# PAGEDBACKEND_PDL=0 launches every kernel the plain way (A/B).
+PDL_ENABLED = os.environ.get("PAGEDBACKEND_PDL", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_device(device_index: int) -> bool:
+    """Hopper or newer, and a triton that can launch with it (the launch_pdl option)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        supported = "launch_pdl" in CUDAOptions.__dataclass_fields__ \
+            and hasattr(tl.extra.cuda, "gdc_wait")
+    except (ImportError, AttributeError):
+        supported = False
+    return supported and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_active(device: torch.device) -> bool:
+    return PDL_ENABLED and not INTERPRET and device.type == "cuda" \
+        and _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """Launch keywords for a kernel that takes `USE_PDL: tl.constexpr` and calls pdl_enter:
+    programmatic dependent launch on Hopper or newer, the plain launch elsewhere (and always in
+    the CPU interpreter)."""
+    on = pdl_active(t.device)
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """Let the next kernel's programs take free SM slots now (they wait in their own pdl_enter),
+    then wait until the previous kernel has finished and its writes are visible. Everything a
+    program does before this must read only what no earlier kernel writes (e.g. weights)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int | None) -> int:
     """Streaming multiprocessors of a CUDA device (a small stand-in on the CPU interpreter)."""

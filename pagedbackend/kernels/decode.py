@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedbackend.kernels.common import dot_precision, mma, next_pow2
+from pagedbackend.kernels.common import dot_precision, mma, next_pow2, pdl_enter, pdl_launch
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -62,7 +62,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                   PRECISION: tl.constexpr, MIXED: tl.constexpr):
+                   PRECISION: tl.constexpr, MIXED: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -130,7 +131,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
 def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, num_splits,
                          stride_ot, stride_oh,
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, MIXED: tl.constexpr):
+                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, MIXED: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     q_row = seq
@@ -193,11 +196,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_Q_HEADS=hq, GROUP=group, BLOCK_G=next_pow2(group, 16),
         HEAD_DIM=d, BLOCK_D=next_pow2(d, 16), BLOCK_SIZE=k_cache.shape[1],
         BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, PRECISION=dot_precision(q.dtype),
-        MIXED=mixed, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        MIXED=mixed, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q))
     if num_splits > 1:
         _merge_splits_kernel[(b, hq)](
             part_out, part_lse, out, query_start_loc if mixed else seq_lens, num_splits,
             out.stride(0), out.stride(1),
             NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=next_pow2(d, 16),
-            BLOCK_S=next_pow2(MAX_SPLITS, 2), MIXED=mixed, num_warps=1 if d <= 64 else 2)
+            BLOCK_S=next_pow2(MAX_SPLITS, 2), MIXED=mixed, num_warps=1 if d <= 64 else 2,
+            **pdl_launch(q))
     return out

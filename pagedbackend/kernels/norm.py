@@ -6,13 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedbackend.kernels.common import next_pow2
+from pagedbackend.kernels.common import next_pow2, pdl_enter, pdl_launch
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                      stride_x, stride_r, stride_o, stride_ro,
-                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -47,7 +49,7 @@ def _launch(x, residual, weight, eps):
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, o2, nr2, eps, x2.stride(0), r2.stride(0), o2.stride(0), nr2.stride(0),
             N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=min(max(block // 512, 1), 16))
+            num_warps=min(max(block // 512, 1), 16), **pdl_launch(x2))
     return out, new_res
 
 

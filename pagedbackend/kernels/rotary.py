@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from pagedbackend.kernels.cache import copy_heads, slot_address, store_kv_cache
-from pagedbackend.kernels.common import next_pow2
+from pagedbackend.kernels.common import next_pow2, pdl_enter, pdl_launch
 
 
 @triton.jit
@@ -83,7 +83,8 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cache_ptr, slot_ptr,
                          BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF, BLOCK_HALF)
     q = q_ptr + t * stride_qt
@@ -122,5 +123,5 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv, BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv),
         HALF=half, BLOCK_HALF=next_pow2(half), HEAD_DIM=d, BLOCK_D=next_pow2(d),
-        BLOCK_SIZE=k_cache.shape[1], num_warps=4 if hq * half >= 1024 else 1)
+        BLOCK_SIZE=k_cache.shape[1], num_warps=4 if hq * half >= 1024 else 1, **pdl_launch(q))
     return q

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pagedbackend.layers.activation import silu_and_mul
 from pagedbackend.layers.norm import USE_KERNELS
 
 
@@ -48,6 +49,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if y is not None:
             return y
     return F.linear(x, weight, bias)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
+                proj: "ColumnParallelLinear") -> tuple[torch.Tensor, torch.Tensor]:
+    """proj(norm(x + residual)) and the new residual (x + residual, or x when residual is None):
+    the pre-norm block's entry. On CUDA, where the skinny matmul serves proj's shape, the norm
+    runs inside it (one kernel instead of two)."""
+    if x.is_cuda and USE_KERNELS:
+        from pagedbackend.kernels.gemv import maybe_skinny_norm_linear
+        out = maybe_skinny_norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+        if out is not None:
+            return out
+    if residual is None:
+        return proj(norm(x)), x
+    h, residual = norm(x, residual)
+    return proj(h), residual
 
 
 def tp_all_reduce(x: torch.Tensor, tp_size: int, group) -> torch.Tensor:
@@ -110,5 +127,18 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(narrow(loaded, 1, self.tp_rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(linear(x, self.weight), self.tp_size, self.tp_group)
+        return self._reduce(linear(x, self.weight))
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward(silu(gate) * up) over gate_up = [..., 2 * local_in]; on CUDA, where the skinny
+        matmul serves this shape, the activation runs inside it."""
+        if gate_up.is_cuda and USE_KERNELS:
+            from pagedbackend.kernels.gemv import maybe_skinny_silu_linear
+            y = maybe_skinny_silu_linear(gate_up, self.weight)
+            if y is not None:
+                return self._reduce(y)
+        return self.forward(silu_and_mul(gate_up))
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        y = tp_all_reduce(y, self.tp_size, self.tp_group)
         return y if self.bias is None else y + self.bias

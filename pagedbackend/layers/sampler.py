@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from pagedbackend.layers.norm import USE_KERNELS
 from pagedbackend.sampling_params import SamplingParams
 
 # Like vLLM: a temperature this small is treated as greedy (dividing by it would overflow).
@@ -153,6 +154,10 @@ class Sampler(torch.nn.Module):
         if logits.shape != (meta.num_rows, meta.vocab_size):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match the sampling "
                              f"metadata ({meta.num_rows}, {meta.vocab_size})")
+        if meta.all_greedy and meta.max_num_logprobs is None and meta.min_tokens_rows is None \
+                and meta.repetition_penalty is None and meta.frequency_penalty is None:
+            # the common greedy step: the argmax of the logits as they are (widening is exact)
+            return SamplerOutput(sampled_token_ids=argmax(logits), logprobs=None)
         logits = logits.float()
         raw = logits
         logits = _apply_penalties(logits, meta)
@@ -161,11 +166,11 @@ class Sampler(torch.nn.Module):
                                       logits.new_full((), -math.inf))
 
         if meta.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax(logits)
         elif meta.random_rows is None:
             sampled = _sample(logits, meta)
         else:
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax(logits)
             sampled = sampled.index_copy(0, meta.random_rows,
                                          _sample(logits.index_select(0, meta.random_rows), meta))
 
@@ -178,6 +183,14 @@ class Sampler(torch.nn.Module):
                 logprobs=torch.cat([lp.gather(1, sampled[:, None]), top_lp], dim=1),
                 num_logprobs=meta.num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> [B] long, the first maximum of each row (a triton kernel on CUDA)."""
+    if logits.is_cuda and USE_KERNELS and logits.stride(-1) == 1:
+        from pagedbackend.kernels.argmax import argmax_rows
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def to_device_async(t: torch.Tensor, device) -> torch.Tensor:

@@ -13,11 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedbackend.layers.activation import silu_and_mul
 from pagedbackend.layers.attention import AttentionMetadata
 from pagedbackend.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedbackend.layers.linear import (ColumnParallelLinear, RowParallelLinear,
-                                        default_weight_loader)
+                                        default_weight_loader, norm_linear)
 from pagedbackend.layers.norm import RMSNorm
 from pagedbackend.layers.rotary import build_cos_sin_cache
 
@@ -128,9 +127,11 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, positions, x, meta: AttentionMetadata, k_cache, v_cache):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, positions, qkv, meta: AttentionMetadata, k_cache, v_cache):
+        """qkv: the q|k|v projection of the normed hidden states (the decoder layer computes it,
+        so the norm can run inside the matmul)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -149,8 +150,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(a.intermediate_size, a.hidden_size, False, dtype,
                                            device, tp.rank, tp.size, tp.group)
 
-    def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, gate_up):
+        """gate_up: the gate|up projection of the normed hidden states (computed by the decoder
+        layer, like q|k|v)."""
+        return self.down_proj.forward_silu_mul(gate_up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -162,14 +165,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(a, tp, dtype, device)
 
     def forward(self, positions, x, residual, meta, k_cache, v_cache):
-        # The residual stream is carried separately so each norm can fuse the add before it.
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta, k_cache, v_cache)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        # The residual stream is carried separately so each norm can fuse the add before it,
+        # and the norm itself can run inside the projection after it (norm_linear).
+        qkv, residual = norm_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj)
+        x = self.self_attn(positions, qkv, meta, k_cache, v_cache)
+        gate_up, residual = norm_linear(x, residual, self.post_attention_layernorm,
+                                        self.mlp.gate_up_proj)
+        return self.mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):

@@ -67,8 +67,10 @@ class DecodeGraphs:
                 self.pool = g.pool()
             self.graphs[bs] = g
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs),
-                    self.buckets)
+        from pagedbackend.kernels.common import pdl_active
+        logger.info("captured %d decode CUDA graphs (batch sizes %s; programmatic dependent "
+                    "launch %s)", len(self.graphs), self.buckets,
+                    "on" if pdl_active(torch.device(self.device)) else "off")
 
     def bucket(self, bs: int) -> int | None:
         for b in self.buckets:
