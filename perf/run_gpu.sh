@@ -22,6 +22,8 @@ for s in $stages; do
     kernelsnew) run kernelsnew 120 python3 -m pytest -q tests/test_kernels.py -k "skinny or compiles or argmax or layers_run or rotary or dispatch" ;;
     correctness) run correctness 240 python3 perf/gpu_correctness.py ;;
     w1) run w1 150 python3 perf/w1_decode.py --profile ;;
+    # W1, then in the same process (same tile choices) without PDL and without the skinny GEMM
+    w1ab) run w1ab 300 python3 perf/w1_decode.py --profile --ab nopdl,cublas ;;
     w1eager) run w1eager 120 python3 perf/w1_decode.py --enforce-eager ;;
     w1sync) PERF_ASYNC=0 run w1sync 120 python3 perf/w1_decode.py ;;
     w1cublas) PAGEDBACKEND_SKINNY_GEMM=0 run w1cublas 120 python3 perf/w1_decode.py ;;

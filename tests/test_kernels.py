@@ -380,8 +380,10 @@ def test_layers_run_the_norm_and_activation_inside_the_skinny_matmul():
     down = RowParallelLinear(inter, h, False, dt, DEV)
     down.weight.data.normal_(0, inter ** -0.5)
     for rows in (1, 3):
-        for w in (proj.weight, down.weight):    # make the skinny tile the choice
-            gemv._CHOICE[(w.device.index, gemv.rows_bucket(rows), *w.shape, dt)] = (16, 512, 4, 3)
+        for w, kind in ((proj.weight, gemv.ADD_NORM), (down.weight, gemv.SILU_MUL)):
+            # make the skinny tile the choice
+            key = (w.device.index, gemv.rows_bucket(rows), *w.shape, dt, kind)
+            gemv._CHOICE[key] = (16, 512, 4, 3)
         x, r = torch.randn(rows, h, device=DEV, dtype=dt), torch.randn(rows, h, device=DEV, dtype=dt)
         y, new_r = norm_linear(x, r, norm, proj)
         hn, ref_r = norm(x, r)

@@ -12,8 +12,8 @@ and the kernel replaces cuBLAS only when it is faster by a margin.
 Because no program splits K, each one sees whole input rows, so the op before the matmul can
 run inside it: the RMSNorm (+ residual add) before q|k|v and gate|up, and SiLU(gate) * up before
 down_proj. At one row each of those was a separate ~2 us kernel (a third of a layer's kernels).
-The first weight tile is loaded before waiting on the previous kernel (programmatic dependent
-launch, kernels/common.py), so a matmul's start overlaps the end of what came before.
+Whether the kernel replaces cuBLAS is measured for the fused form: the fused kernel against the
+separate norm / activation kernel plus cuBLAS.
 """
 from __future__ import annotations
 
@@ -87,16 +87,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, 
     n_ok = (n < N)[:, None]
     # program 0 alone writes the residual sum (rows M for it, none for the others)
     store_ok = (m < M - M * tl.minimum(pid, 1))[:, None]
-    # The first weight tile is requested before waiting for the previous kernel: weights are
-    # never written, and with programmatic dependent launch this overlaps its tail.
-    if EVEN_K:
-        if EVEN_N:
-            w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + kk[None, :], mask=n_ok, other=0.0, eviction_policy="evict_first")
-    else:
-        w = tl.load(w_rows + kk[None, :], mask=n_ok & (kk < K)[None, :], other=0.0,
-                    eviction_policy="evict_first")
     pdl_enter(USE_PDL)
     rstd = tl.full([BLOCK_M], 1.0, tl.float32)
     if PROLOGUE == 1 or PROLOGUE == 2:
@@ -113,13 +103,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, 
             hf = h.to(tl.float32)
             ss += tl.sum(hf * hf, axis=1)
         rstd = 1.0 / tl.sqrt(ss / K + eps)
-    x = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, kk, rstd, store_ok, m_ok, K, EVEN_K,
-                    PROLOGUE)
     if BLOCK_M == 1:     # one row: a plain 2-D tile, the layout triton handles best
-        acc1 = tl.sum(x, axis=0)[None, :] * w.to(tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
-        acc = x[:, None, :] * w.to(tl.float32)[None, :, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
         x = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, rstd, store_ok, m_ok, K, EVEN_K,
                         PROLOGUE)
@@ -185,7 +173,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return (y, r_out) if prologue == ADD_NORM else y
 
 
-# (device index, rows bucket, N, K, dtype) -> the chosen config, or None for cuBLAS
+# (device index, rows bucket, N, K, dtype, prologue) -> the chosen config, or None for cuBLAS.
+# NORM (the first layer's, no residual) shares ADD_NORM's entry.
 _CHOICE: dict[tuple, tuple[int, int, int, int] | None] = {}
 
 
@@ -193,45 +182,71 @@ def _time_us(fn) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
 
 
-def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    m, k = x.shape
-    n = weight.shape[0]
+def _pattern(rows: int, k: int, phase: float, dtype, device) -> torch.Tensor:
     # a fixed pattern, not torch.randn: tuning must not move the sampler's CUDA generator
-    rows = rows_bucket(m)
-    xs = torch.arange(rows * k, device=x.device, dtype=torch.float32).mul_(0.618).sin_()
-    xs = xs.view(rows, k).to(x.dtype)
+    xs = torch.arange(rows * k, device=device, dtype=torch.float32).mul_(0.618).add_(phase).sin_()
+    return xs.view(rows, k).to(dtype)
+
+
+def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int):
+    """The fastest tile for the plain matmul, then kept only if its fused form (with prologue)
+    beats what it replaces: cuBLAS, after the separate norm / activation kernel if any."""
+    from pagedbackend.layers.activation import silu_and_mul
+    from pagedbackend.layers.norm import fused_add_rms_norm
+    n, k = weight.shape
+    rows = rows_bucket(x.shape[0])
+    dt, dev = x.dtype, x.device
+    xs = _pattern(rows, k, 0.0, dt, dev)
     ref = F.linear(xs, weight, bias)
-    base = _time_us(lambda: F.linear(xs, weight, bias))
-    best, best_us = None, base * MARGIN
+    best, best_us = None, float("inf")
     for cfg in CANDIDATES:
         out = skinny_linear(xs, weight, bias, cfg)
         # a tile that is wrong here (e.g. a miscompile) is never chosen
         if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
             logger.warning("skinny GEMM %s at %dx%dx%d disagrees with cuBLAS; skipped",
-                           cfg, xs.shape[0], n, k)
+                           cfg, rows, n, k)
             continue
         us = _time_us(lambda cfg=cfg: skinny_linear(xs, weight, bias, cfg))
         if us < best_us:
             best, best_us = cfg, us
-    logger.info("skinny GEMM rows<=%d N=%d K=%d %s: cuBLAS %.1f us, %s", xs.shape[0], n, k,
-                str(x.dtype).replace("torch.", ""), base,
+    what = "plain"
+    if prologue == ADD_NORM:
+        what = "rms_norm+"
+        rs, g = _pattern(rows, k, 1.0, dt, dev), _pattern(1, k, 2.0, dt, dev).view(k).add_(1)
+        base = _time_us(lambda: F.linear(fused_add_rms_norm(xs, rs, g, 1e-6)[0], weight, bias))
+        fused = (lambda: skinny_linear(xs, weight, bias, best, ADD_NORM, rs, g, 1e-6))
+    elif prologue == SILU_MUL:
+        what = "silu_mul+"
+        gu = _pattern(rows, 2 * k, 1.0, dt, dev)
+        base = _time_us(lambda: F.linear(silu_and_mul(gu), weight, bias))
+        fused = (lambda: skinny_linear(gu, weight, bias, best, SILU_MUL))
+    else:
+        base = _time_us(lambda: F.linear(xs, weight, bias))
+        fused = None
+    if best is not None and fused is not None:
+        best_us = _time_us(fused)
+    if best is not None and best_us >= base * MARGIN:
+        best = None
+    logger.info("skinny GEMM rows<=%d N=%d K=%d %s %s: cuBLAS %.1f us, %s", rows, n, k,
+                str(dt).replace("torch.", ""), what, base,
                 f"triton {best} {best_us:.1f} us (chosen)" if best else "kept cuBLAS")
     return best
 
 
 def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            k_in: int) -> tuple[int, int, int, int] | None:
-    """The tile measured faster than cuBLAS for this (rows, weight) shape, or None for cuBLAS.
-    k_in is the input width the shape needs (K, or 2K for gate|up)."""
+            prologue: int = PLAIN) -> tuple[int, int, int, int] | None:
+    """The tile measured faster than cuBLAS for this (rows, weight, prologue), or None for
+    cuBLAS."""
+    k_in = 2 * weight.shape[1] if prologue == SILU_MUL else weight.shape[1]
     if not ENABLED or x.dim() != 2 or x.shape[0] > MAX_ROWS or x.stride(1) != 1 \
             or not weight.is_contiguous() or x.shape[1] != k_in:
         return None
-    key = (x.device.index, rows_bucket(x.shape[0]), weight.shape[0], weight.shape[1], x.dtype)
+    kind = ADD_NORM if prologue == NORM else prologue
+    key = (x.device.index, rows_bucket(x.shape[0]), *weight.shape, x.dtype, kind)
     if key not in _CHOICE:
         if torch.cuda.is_current_stream_capturing():
             return None
-        probe = x if k_in == weight.shape[1] else x[:, :weight.shape[1]]
-        _CHOICE[key] = _tune(probe, weight, bias)
+        _CHOICE[key] = _tune(x, weight, bias, kind)
     return _CHOICE[key]
 
 
@@ -240,7 +255,7 @@ def maybe_skinny_linear(x: torch.Tensor, weight: torch.Tensor,
     """The skinny kernel's result where it was measured faster than cuBLAS for this shape, else
     None (the caller runs F.linear). An unseen shape is tuned here unless a CUDA graph is being
     captured (then cuBLAS, until an eager step of that shape has run)."""
-    cfg = _choice(x, weight, bias, weight.shape[1])
+    cfg = _choice(x, weight, bias)
     return None if cfg is None else skinny_linear(x, weight, bias, cfg)
 
 
@@ -249,9 +264,11 @@ def maybe_skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
                              bias: torch.Tensor | None):
     """(rms_norm(x [+ residual]) @ W.T + b, the new residual) in one kernel where the skinny
     kernel was chosen for W's shape, else None. Without residual the new residual is x."""
-    cfg = _choice(x, weight, bias, weight.shape[1])
-    if cfg is None or norm_weight.dtype != x.dtype or (
+    if norm_weight.dtype != x.dtype or (
             residual is not None and (residual.dtype != x.dtype or residual.stride(1) != 1)):
+        return None
+    cfg = _choice(x, weight, bias, ADD_NORM)
+    if cfg is None:
         return None
     if residual is None:
         return skinny_linear(x, weight, bias, cfg, NORM, None, norm_weight, eps), x
@@ -261,5 +278,5 @@ def maybe_skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
 def maybe_skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """(silu(gate) * up) @ W.T over x = gate | up in one kernel where the skinny kernel was
     chosen for W's shape, else None."""
-    cfg = _choice(x, weight, None, 2 * weight.shape[1])
+    cfg = _choice(x, weight, None, SILU_MUL)
     return None if cfg is None else skinny_linear(x, weight, None, cfg, SILU_MUL)

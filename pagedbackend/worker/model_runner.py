@@ -17,7 +17,7 @@ import torch
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.scheduler import SchedulerOutput
 from pagedbackend.layers.attention import AttentionMetadata
-from pagedbackend.layers.sampler import Sampler, SamplingMetadata, to_device_async
+from pagedbackend.layers.sampler import Sampler, SamplingMetadata, argmax, to_device_async
 from pagedbackend.models import build_model, load_weights
 from pagedbackend.worker.cuda_graph import DecodeGraphs
 from pagedbackend.worker.kv_sizing import kv_bytes_per_block, num_blocks_for_device
@@ -181,7 +181,9 @@ class ModelRunner:
                 positions = np.concatenate([np.arange(start, start + k) for k in q_lens])
                 h = HostInputs(np.zeros(int(q.sum()), np.int64), positions, q, starts, table,
                                list(range(n)), bs)
-                self.forward_logits(h)
+                logits = self.forward_logits(h)
+                if logits is not None:
+                    argmax(logits)      # the greedy sampler's kernel, too
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
