@@ -178,8 +178,47 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 _CHOICE: dict[tuple, tuple[int, int, int, int] | None] = {}
 
 
+_FLUSH: dict[int, torch.Tensor] = {}     # per device: a buffer larger than the L2 cache
+_REPS = 8
+
+
+def _replay_us(graph: torch.cuda.CUDAGraph, times: int = 5) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(times):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return sorted(samples)[len(samples) // 2]
+
+
 def _time_us(fn) -> float:
-    return 1e3 * triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+    """Device time of fn as it runs inside a CUDA graph (the way decode steps run it), with the
+    L2 cache flushed before each call: replays of [flush, fn] x _REPS minus replays of the
+    flushes alone. Timing eager launches instead (triton.testing.do_bench) measures the host's
+    launch overhead too, which for a 10-60 us kernel was most of the figure and made the
+    choice noisy."""
+    dev = torch.cuda.current_device()
+    flush = _FLUSH.get(dev)
+    if flush is None:
+        flush = _FLUSH[dev] = torch.empty(128 << 20, dtype=torch.int8, device="cuda")
+    fn()                                    # compiled and warm before capture
+    torch.cuda.synchronize()
+    try:
+        both, alone = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(both):
+            for _ in range(_REPS):
+                flush.zero_()
+                fn()
+        with torch.cuda.graph(alone):
+            for _ in range(_REPS):
+                flush.zero_()
+        return max(_replay_us(both) - _replay_us(alone), 0.0) / _REPS
+    except RuntimeError as e:                 # not capturable here: time eager launches
+        logger.warning("skinny GEMM tuning falls back to eager timing: %s", e)
+        return 1e3 * triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
 
 
 def _pattern(rows: int, k: int, phase: float, dtype, device) -> torch.Tensor:
