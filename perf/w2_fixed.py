@@ -69,7 +69,7 @@ def main():
         from pagedbackend import SamplingParams
         profile_generate(llm, [{"prompt_token_ids": p} for p in random_prompts(512, 128, seed=1)],
                          SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), "W2")
-    print_table(rows_off + rows, "W2")
+    print_table(rows_off + [{**r, "pdl": True} for r in rows], "W2")
 
 
 if __name__ == "__main__":
