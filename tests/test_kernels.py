@@ -456,6 +456,27 @@ def test_linear_dispatch_tunes_once_and_matches_cublas():
 
 # ---------------------------------------------------------------------------- no mid-run JIT
 
+def test_compile_watch_records_only_while_armed(monkeypatch):
+    import triton
+
+    from pagedbackend.kernels import common
+    if getattr(triton, "knobs", None) is None:
+        pytest.skip("this triton has no jit_cache_hook")
+    seen = []
+    monkeypatch.setattr(common, "INTERPRET", False)
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", lambda **kw: seen.append(kw))
+    watch = common.CompileWatch()
+    watch.arm()
+    hook = triton.knobs.runtime.jit_cache_hook
+    hook(repr="k1")
+    watch.disarm()            # another engine starting in this process: its compiles are expected
+    hook(repr="k2")
+    watch.arm()
+    assert triton.knobs.runtime.jit_cache_hook is hook      # installed once, not chained twice
+    hook(repr="k3")
+    assert watch.after_arm == ["k1", "k3"] and [kw["repr"] for kw in seen] == ["k1", "k2", "k3"]
+
+
 @pytest.mark.skipif(not CUDA, reason="the interpreter compiles nothing")
 @pytest.mark.parametrize("eager", [False, True])
 def test_no_kernel_compiles_after_warmup(tmp_path, eager):

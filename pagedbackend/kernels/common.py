@@ -85,28 +85,37 @@ def next_pow2(n: int, floor: int = 1) -> int:
 class CompileWatch:
     """After `arm()` (the end of the engine's warm-up), every triton JIT specialization built in
     this process (an in-memory cache miss) is recorded and logged as a warning, because a
-    compile in the middle of serving stalls every running request for about a second."""
+    compile in the middle of serving stalls every running request for about a second.
+    `disarm()` covers another engine's start-up in the same process (its compiles are
+    expected)."""
 
     def __init__(self) -> None:
         self.after_arm: list[str] = []
         self.armed = False
+        self._installed = False
 
     def arm(self) -> None:
         knobs = getattr(triton, "knobs", None)
-        if self.armed or knobs is None or INTERPRET:
+        if knobs is None or INTERPRET:
             return
-        prev = knobs.runtime.jit_cache_hook
+        if not self._installed:
+            prev = knobs.runtime.jit_cache_hook
 
-        def hook(**kw):
-            what = str(kw.get("repr", kw.get("fn", "?")))
-            self.after_arm.append(what)
-            logging.getLogger("pagedbackend").warning(
-                "triton compiles a kernel variant after warm-up (serving stalls meanwhile): %s",
-                what[:400])
-            return prev(**kw) if prev is not None else None
+            def hook(**kw):
+                if self.armed:
+                    what = str(kw.get("repr", kw.get("fn", "?")))
+                    self.after_arm.append(what)
+                    logging.getLogger("pagedbackend").warning(
+                        "triton compiles a kernel variant after warm-up (serving stalls "
+                        "meanwhile): %s", what[:400])
+                return prev(**kw) if prev is not None else None
 
-        knobs.runtime.jit_cache_hook = hook
+            knobs.runtime.jit_cache_hook = hook
+            self._installed = True
         self.armed = True
+
+    def disarm(self) -> None:
+        self.armed = False
 
 
 COMPILES = CompileWatch()

@@ -114,6 +114,9 @@ class ModelRunner:
                       agree: Optional[Callable[[int], int]] = None) -> int:
         """Size, allocate and (on CUDA) graph-capture the KV cache. Tensor-parallel ranks pass
         `agree` (their count -> the minimum over ranks) so every rank allocates the same pool."""
+        if self.device.type == "cuda":
+            from pagedbackend.kernels.common import COMPILES
+            COMPILES.disarm()   # this start-up's compiles are expected (another engine's may not)
         per_block = kv_bytes_per_block(self.hf_config, self.block_size, self.dtype, self.tp_size)
         num_blocks = num_blocks_for_device(
             self.config, self.device, per_block,
