@@ -74,6 +74,35 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
                ("PAGEDBACKEND_PDL", "0"): "nopdl"}
 
 
+def run_variants(names: str, make_llm, body) -> None:
+    """In-process A/B (same process, so the same skinny-GEMM tile choices): body(llm, label)
+    with a fresh engine from make_llm() for "default", then for each comma-separated variant
+    in names, cumulative (nopdl: plain launches; cublas: no skinny GEMM; labels "nopdl",
+    "nopdl-cublas"). One engine is alive at a time: body must not keep it."""
+    import gc
+
+    import torch
+
+    from pagedbackend.kernels import common, gemv
+    variants = list(filter(None, names.split(",")))
+    for name in variants:
+        if name not in ("nopdl", "cublas"):
+            raise SystemExit(f"--ab {name!r}: must be nopdl or cublas")
+    steps = [("default", None)] + [("-".join(variants[:n + 1]), v) for n, v in enumerate(variants)]
+    for label, switch in steps:
+        if switch == "nopdl":
+            common.PDL_ENABLED = False
+        elif switch == "cublas":
+            gemv.ENABLED = False
+        llm = make_llm()
+        body(llm, label)
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def write_result(workload: str, model: str, data: dict, suffix: str = "") -> str:
     """perf/results/<workload>-<model>-<gpu>[-<suffix>].json (also under $OUT when remote);
     the A/B switches in AB_SUFFIXES, when set, add their suffix (and are recorded)."""

@@ -36,7 +36,7 @@ for s in $stages; do
     w2mem80) run w2mem80 150 python3 perf/w2_fixed.py --shapes 128-128 --gpu-memory-utilization 0.8 --suffix mem80 ;;
     w3sync) PERF_ASYNC=0 run w3sync 120 python3 perf/w3_mix.py ;;
     w2) run w2 180 python3 perf/w2_fixed.py --shapes 128-128 --profile ;;
-    w2abpdl) run w2abpdl 200 python3 perf/w2_fixed.py --shapes 128-128 --ab-pdl ;;
+    w2abpdl) run w2abpdl 200 python3 perf/w2_fixed.py --shapes 128-128 --ab nopdl ;;
     w2long) run w2long 300 python3 perf/w2_fixed.py --shapes 2048-128,128-2048 ;;
     w3) run w3 120 python3 perf/w3_mix.py ;;
     w5) run w5 300 python3 perf/w5_vs_transformers.py ;;

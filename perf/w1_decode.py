@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from common import (H200_BW, LIMITS, decode_tokens_per_s, dummy_model_dir, engine_overrides,
-                    print_table, profile_generate, random_prompts, timed, write_result)
+from common import (H200_BW, LIMITS, decode_tokens_per_s, dummy_model_dir,
+                    engine_overrides, print_table, profile_generate, random_prompts,
+                    run_variants, timed, write_result)
 
 
 def weight_bytes_per_step(model) -> int:
@@ -47,15 +48,11 @@ def run(llm, model_name: str, prompt_len: int = 128, output_len: int = 128,
     return res
 
 
-# In-process A/B variants (--ab): the same process, so the same skinny-GEMM tile choices.
-def _variant(name: str) -> None:
-    from pagedbackend.kernels import common, gemv
-    if name == "nopdl":
-        common.PDL_ENABLED = False
-    elif name == "cublas":
-        gemv.ENABLED = False
-    else:
-        raise SystemExit(f"--ab {name!r}: must be nopdl or cublas")
+def profile(llm, label: str) -> None:
+    from pagedbackend import SamplingParams
+    profile_generate(llm, {"prompt_token_ids": random_prompts(1, 128)[0]},
+                     SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), label,
+                     cycle={"_skinny_kernel": 4})
 
 
 def main():
@@ -67,35 +64,18 @@ def main():
                     "one in the same process: nopdl (plain launches), cublas (no skinny GEMM)")
     a = ap.parse_args()
     from pagedbackend import LLM
-    llm = LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
-              **engine_overrides(), max_num_seqs=8, enforce_eager=a.enforce_eager)
-    res = run(llm, a.model)
-    if a.profile:
-        from pagedbackend import SamplingParams
-        profile_generate(llm, {"prompt_token_ids": random_prompts(1, 128)[0]},
-                         SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), "W1",
-                         cycle={"_skinny_kernel": 4})
-    rows = [{"workload": "W1", "variant": "default", **res}]
-    done = []
-    for name in filter(None, a.ab.split(",")):
-        import gc
 
-        import torch
-        llm.engine.shutdown()
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-        _variant(name)        # cumulative: "cublas" after "nopdl" has both
-        done.append(name)
-        label = "-".join(done)
-        llm = LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
-                  **engine_overrides(), max_num_seqs=8, enforce_eager=a.enforce_eager)
-        rows.append({"workload": "W1", "variant": label, **run(llm, a.model, suffix=label)})
-        if a.profile and name == "nopdl":     # kernel times are honest without PDL overlap
-            from pagedbackend import SamplingParams
-            profile_generate(llm, {"prompt_token_ids": random_prompts(1, 128)[0]},
-                             SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-                             "W1-nopdl", cycle={"_skinny_kernel": 4})
+    def make_llm():
+        return LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
+                   **engine_overrides(), max_num_seqs=8, enforce_eager=a.enforce_eager)
+    rows = []
+
+    def body(llm, label):
+        suffix = "" if label == "default" else label
+        rows.append({"workload": "W1", "variant": label, **run(llm, a.model, suffix=suffix)})
+        if a.profile and label in ("default", "nopdl"):   # without PDL, kernel times are
+            profile(llm, "W1" if label == "default" else "W1-nopdl")   # not inflated by overlap
+    run_variants(a.ab, make_llm, body)
     keys = ("workload", "variant", "output_tokens_per_s", "decode_tokens_per_s", "ttft_ms", "mbu")
     print_table([{**{k: r[k] for k in keys}, "step_ms": r["step_split"]["step_ms"]}
                  for r in rows], f"W1 {a.model}")

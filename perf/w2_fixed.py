@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from common import (LIMITS, cuda_alloc_stats, dummy_model_dir, engine_overrides,
-                    output_tokens, print_table, profile_generate, random_prompts, timed,
+from common import (LIMITS, cuda_alloc_stats, dummy_model_dir, engine_overrides, output_tokens,
+                    print_table, profile_generate, random_prompts, run_variants, timed,
                     write_result)
 
 SHAPES = {"128-128": (128, 128, 1024), "128-2048": (128, 2048, 512), "2048-128": (2048, 128, 512)}
@@ -39,37 +39,28 @@ def main():
     ap.add_argument("--suffix", default="", help="result file suffix (A/B runs)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile 512 requests of 128/16 (prefill + decode steps)")
-    ap.add_argument("--ab-pdl", action="store_true",
-                    help="first the same shapes without programmatic dependent launch, in the "
-                         "same process (suffix nopdl), then with it")
+    ap.add_argument("--ab", default="", help="comma-separated variants to run after the main "
+                    "one in the same process: nopdl (plain launches), cublas (no skinny GEMM)")
     a = ap.parse_args()
     from pagedbackend import LLM
-    rows_off = []
-    if a.ab_pdl:
-        import gc
 
-        import torch
+    def make_llm():
+        return LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
+                   **engine_overrides(), max_num_seqs=a.max_num_seqs,
+                   gpu_memory_utilization=a.gpu_memory_utilization)
+    rows = []
 
-        from pagedbackend.kernels import common
-        common.PDL_ENABLED = False
-        llm = LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
-                  **engine_overrides(), max_num_seqs=a.max_num_seqs,
-                  gpu_memory_utilization=a.gpu_memory_utilization)
-        rows_off = [{**run(llm, a.model, s, "nopdl"), "pdl": False} for s in a.shapes.split(",")]
-        llm.engine.shutdown()
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-        common.PDL_ENABLED = True
-    llm = LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
-              **engine_overrides(), max_num_seqs=a.max_num_seqs,
-              gpu_memory_utilization=a.gpu_memory_utilization)
-    rows = [run(llm, a.model, s, a.suffix) for s in a.shapes.split(",")]
-    if a.profile:
-        from pagedbackend import SamplingParams
-        profile_generate(llm, [{"prompt_token_ids": p} for p in random_prompts(512, 128, seed=1)],
-                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), "W2")
-    print_table(rows_off + [{**r, "pdl": True} for r in rows], "W2")
+    def body(llm, label):
+        suffix = a.suffix if label == "default" else label
+        rows.extend({"variant": label, **run(llm, a.model, s, suffix)}
+                    for s in a.shapes.split(","))
+        if a.profile and label == "default":
+            from pagedbackend import SamplingParams
+            profile_generate(llm, [{"prompt_token_ids": p}
+                                   for p in random_prompts(512, 128, seed=1)],
+                             SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), "W2")
+    run_variants(a.ab, make_llm, body)
+    print_table(rows, "W2")
 
 
 if __name__ == "__main__":
