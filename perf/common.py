@@ -71,30 +71,48 @@ def engine_overrides() -> dict:
 # A/B switches of a run -> the suffix of its result file: async scheduling off, cuBLAS for every
 # matmul (no skinny-GEMM kernel for decode batches of 1-4 rows).
 AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "cublas",
-               ("PAGEDBACKEND_PDL", "0"): "nopdl"}
+               ("PAGEDBACKEND_PDL", "0"): "nopdl", ("PAGEDBACKEND_PREFETCH_MB", "0"): "noprefetch"}
 
 
 def run_variants(names: str, make_llm, body) -> None:
     """In-process A/B (same process, so the same skinny-GEMM tile choices): body(llm, label)
     with a fresh engine from make_llm() for "default", then for each comma-separated variant
-    in names, cumulative (nopdl: plain launches; cublas: no skinny GEMM; labels "nopdl",
-    "nopdl-cublas"). One engine is alive at a time: body must not keep it."""
+    in names, cumulative: noprefetch (no weight prefetch into L2 before the PDL wait), pf<MB>
+    (that prefetch budget instead of the default), mbt<N> (make_llm(max_num_batched_tokens=N)),
+    nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
+    kind. Labels such as "noprefetch-nopdl". One engine is alive at a time: body must not keep
+    it."""
     import gc
 
     import torch
 
     from pagedbackend.kernels import common, gemv
     variants = list(filter(None, names.split(",")))
+
+    def kind(v):        # noprefetch is pf0
+        if v == "noprefetch":
+            return "pf"
+        return next((p for p in ("pf", "mbt") if v.startswith(p) and v[len(p):].isdigit()), v)
     for name in variants:
-        if name not in ("nopdl", "cublas"):
-            raise SystemExit(f"--ab {name!r}: must be nopdl or cublas")
-    steps = [("default", None)] + [("-".join(variants[:n + 1]), v) for n, v in enumerate(variants)]
+        if kind(name) not in ("nopdl", "cublas", "noprefetch", "pf", "mbt"):
+            raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, mbt<N>, nopdl or cublas")
+    steps, active = [("default", None)], []
+    for v in variants:
+        active = [a for a in active if kind(a) != kind(v) or kind(v) == v] + [v]
+        steps.append(("-".join(active), v))
+    overrides = {}
     for label, switch in steps:
         if switch == "nopdl":
             common.PDL_ENABLED = False
         elif switch == "cublas":
             gemv.ENABLED = False
-        llm = make_llm()
+        elif switch == "noprefetch":
+            common.PREFETCH_BYTES = 0
+        elif switch is not None and kind(switch) == "pf":
+            common.PREFETCH_BYTES = int(switch[2:]) << 20
+        elif switch is not None:
+            overrides["max_num_batched_tokens"] = int(switch[3:])
+        llm = make_llm(**overrides)
         body(llm, label)
         llm.engine.shutdown()
         del llm

@@ -24,6 +24,9 @@ for s in $stages; do
     w1) run w1 150 python3 perf/w1_decode.py --profile ;;
     # W1, then in the same process (same tile choices) without PDL and without the skinny GEMM
     w1ab) run w1ab 300 python3 perf/w1_decode.py --profile --ab nopdl,cublas ;;
+    # W1 with the weight prefetch at budgets 16 (default), 32 and 8 MB, without it, and without
+    # PDL, all in one process
+    w1pf) run w1pf 240 python3 perf/w1_decode.py --profile --ab pf32,pf8,noprefetch,nopdl ;;
     w1eager) run w1eager 120 python3 perf/w1_decode.py --enforce-eager ;;
     w1sync) PERF_ASYNC=0 run w1sync 120 python3 perf/w1_decode.py ;;
     w1cublas) PAGEDBACKEND_SKINNY_GEMM=0 run w1cublas 120 python3 perf/w1_decode.py ;;
@@ -37,6 +40,10 @@ for s in $stages; do
     w3sync) PERF_ASYNC=0 run w3sync 120 python3 perf/w3_mix.py ;;
     w2) run w2 180 python3 perf/w2_fixed.py --shapes 128-128 --profile ;;
     w2abpdl) run w2abpdl 200 python3 perf/w2_fixed.py --shapes 128-128 --ab nopdl ;;
+    # W2 128/128 (profiled: one wave) and 2048/128 at max_num_batched_tokens 8192 (default),
+    # 2048 and 4096 in one process: GEMMs run faster at 2048 rows than at 8192 (gemm stage)
+    w2mbt) run w2mbt 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --profile \
+             --ab mbt2048,mbt4096 ;;
     w2long) run w2long 300 python3 perf/w2_fixed.py --shapes 2048-128,128-2048 ;;
     w3) run w3 120 python3 perf/w3_mix.py ;;
     w5) run w5 300 python3 perf/w5_vs_transformers.py ;;

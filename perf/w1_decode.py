@@ -61,20 +61,22 @@ def main():
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also profile 32 decode steps")
     ap.add_argument("--ab", default="", help="comma-separated variants to run after the main "
-                    "one in the same process: nopdl (plain launches), cublas (no skinny GEMM)")
+                    "one in the same process, cumulative: noprefetch, pf<MB>, mbt<N>, nopdl, cublas "
+                    "(perf/common.run_variants)")
     a = ap.parse_args()
     from pagedbackend import LLM
 
-    def make_llm():
+    def make_llm(**kw):
         return LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
-                   **engine_overrides(), max_num_seqs=8, enforce_eager=a.enforce_eager)
+                   **engine_overrides(), **kw, max_num_seqs=8, enforce_eager=a.enforce_eager)
     rows = []
 
     def body(llm, label):
         suffix = "" if label == "default" else label
         rows.append({"workload": "W1", "variant": label, **run(llm, a.model, suffix=suffix)})
-        if a.profile and label in ("default", "nopdl"):   # without PDL, kernel times are
-            profile(llm, "W1" if label == "default" else "W1-nopdl")   # not inflated by overlap
+        if a.profile and (label == "default" or label.endswith("nopdl")):  # without PDL the
+            profile(llm, "W1" if label == "default" else f"W1-{label}")    # kernel times are
+        #                                                          not inflated by early starts
     run_variants(a.ab, make_llm, body)
     keys = ("workload", "variant", "output_tokens_per_s", "decode_tokens_per_s", "ttft_ms", "mbu")
     print_table([{**{k: r[k] for k in keys}, "step_ms": r["step_split"]["step_ms"]}

@@ -38,15 +38,17 @@ def main():
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--suffix", default="", help="result file suffix (A/B runs)")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile 512 requests of 128/16 (prefill + decode steps)")
+                    help="also profile 512 requests of 128/128 (one wave of W2 128/128: "
+                    "8 prefill steps, 128 decode steps of 512 rows)")
     ap.add_argument("--ab", default="", help="comma-separated variants to run after the main "
-                    "one in the same process: nopdl (plain launches), cublas (no skinny GEMM)")
+                    "one in the same process, cumulative: noprefetch, pf<MB>, mbt<N>, nopdl, cublas "
+                    "(perf/common.run_variants)")
     a = ap.parse_args()
     from pagedbackend import LLM
 
-    def make_llm():
+    def make_llm(**kw):
         return LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
-                   **engine_overrides(), max_num_seqs=a.max_num_seqs,
+                   **engine_overrides(), **kw, max_num_seqs=a.max_num_seqs,
                    gpu_memory_utilization=a.gpu_memory_utilization)
     rows = []
 
@@ -58,7 +60,8 @@ def main():
             from pagedbackend import SamplingParams
             profile_generate(llm, [{"prompt_token_ids": p}
                                    for p in random_prompts(512, 128, seed=1)],
-                             SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), "W2")
+                             SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), "W2",
+                             rows=28)
     run_variants(a.ab, make_llm, body)
     print_table(rows, "W2")
 

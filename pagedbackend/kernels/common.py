@@ -70,6 +70,53 @@ def pdl_enter(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
+@triton.jit
+def pdl_trigger(USE_PDL: tl.constexpr):
+    """pdl_enter's first half: let the next kernel's programs take free SM slots now."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """pdl_enter's second half: wait for the previous kernel's writes."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+# Weight streaming while the previous kernel runs: with PDL a program starts before the kernel
+# it depends on has finished, and may read what no kernel writes (weights) before pdl_wait.
+# `l2_prefetch` asks the copy engine of the SM (Hopper's bulk-async unit) to bring those bytes
+# into L2 without waiting for them, so HBM stays busy through the short latency-bound kernels
+# (norm, rotary + KV write, attention, split merge) that sit between the big matmuls of a
+# batch-1 step. Only the first programs of a kernel prefetch, PREFETCH_BYTES in all, so the
+# prefetched lines are still in L2 (50 MB on the H100/H200) when their programs read them.
+# PAGEDBACKEND_PREFETCH_MB=0 turns it off (A/B).
+PREFETCH_BYTES = int(float(os.environ.get("PAGEDBACKEND_PREFETCH_MB", "16")) * (1 << 20))
+PREFETCH_PIECES = 256      # bulk prefetches per program (one or two per thread)
+
+
+def prefetch_programs(t: torch.Tensor, program_bytes: int) -> int:
+    """How many programs of a kernel launched with pdl_launch(t) prefetch their program_bytes
+    of weights with l2_prefetch (0: none, then PREFETCH=False)."""
+    if PREFETCH_BYTES <= 0 or not pdl_active(t.device) or program_bytes <= 0 \
+            or program_bytes % (16 * PREFETCH_PIECES) or t.data_ptr() % 16:
+        return 0
+    return PREFETCH_BYTES // program_bytes
+
+
+@triton.jit
+def l2_prefetch(base, nbytes):
+    """Prefetch [base, base + nbytes) (bytes, a multiple of 16 * PREFETCH_PIECES, 16-byte
+    aligned) into L2 in PREFETCH_PIECES bulk requests; returns at once. sm_90+ only."""
+    piece = nbytes // 256          # PREFETCH_PIECES
+    offs = tl.arange(0, 256).to(tl.int64) * piece
+    addr = base.to(tl.pointer_type(tl.int8)) + offs
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+        [addr, piece + tl.zeros([256], dtype=tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int | None) -> int:
     """Streaming multiprocessors of a CUDA device (a small stand-in on the CPU interpreter)."""

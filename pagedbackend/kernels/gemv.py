@@ -31,7 +31,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedbackend.kernels.common import pdl_enter, pdl_launch
+from pagedbackend.kernels.common import (l2_prefetch, pdl_launch, pdl_trigger, pdl_wait,
+                                         prefetch_programs)
 
 logger = logging.getLogger("pagedbackend")
 
@@ -81,10 +82,10 @@ def _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K,
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, N, K,
-                   stride_xm, stride_wn, stride_ym, stride_rm, stride_rom,
+                   stride_xm, stride_wn, stride_ym, stride_rm, stride_rom, prefetch_programs,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                   PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr):
+                   PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -97,7 +98,12 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, 
     n_ok = (n < N)[:, None]
     # program 0 alone writes the residual sum (rows M for it, none for the others)
     store_ok = (m < M - M * tl.minimum(pid, 1))[:, None]
-    pdl_enter(USE_PDL)
+    pdl_trigger(USE_PDL)
+    if PREFETCH:        # the first programs' weight rows (contiguous) start towards L2 now
+        if pid < prefetch_programs:
+            l2_prefetch(w_ptr + pid * BLOCK_N * stride_wn,
+                        BLOCK_N * K * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    pdl_wait(USE_PDL)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     if BLOCK_M == 1:     # one row: a plain 2-D tile, the layout triton handles best
         acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -163,13 +169,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if prologue == ADD_NORM:
         assert residual is not None and residual.shape == x.shape and residual.stride(1) == 1
         r, r_out = residual, torch.empty_like(x)
+    # a program's weight rows are contiguous: block_n * k elements (all in bounds if EVEN_N)
+    pf = prefetch_programs(weight, block_n * k * weight.element_size()) if n % block_n == 0 else 0
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, r, r_out,
         norm_weight if norm_weight is not None else weight, eps, m, n, k,
-        x.stride(0), weight.stride(0), y.stride(0), r.stride(0), r_out.stride(0),
+        x.stride(0), weight.stride(0), y.stride(0), r.stride(0), r_out.stride(0), pf,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, PROLOGUE=prologue,
-        num_warps=warps, num_stages=stages, **pdl_launch(x))
+        PREFETCH=pf > 0, num_warps=warps, num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
 
 
@@ -228,27 +236,16 @@ def _pattern(rows: int, k: int, phase: float, dtype, device) -> torch.Tensor:
 
 
 def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int):
-    """The fastest tile for the plain matmul, then kept only if its fused form (with prologue)
-    beats what it replaces: cuBLAS, after the separate norm / activation kernel if any."""
+    """The fastest tile for the kernel with this prologue, kept only if it beats what it
+    replaces: cuBLAS, after the separate norm / activation kernel if any. Every tile is timed
+    in its fused form (a tile's register and load pattern changes with the prologue: the
+    fastest plain tile lost gate|up's fused form on the H200 where a wider one might not)."""
     from pagedbackend.layers.activation import silu_and_mul
     from pagedbackend.layers.norm import fused_add_rms_norm
     n, k = weight.shape
     rows = rows_bucket(x.shape[0])
     dt, dev = x.dtype, x.device
     xs = _pattern(rows, k, 0.0, dt, dev)
-    ref = F.linear(xs, weight, bias)
-    best, best_us = None, float("inf")
-    for cfg in CANDIDATES:
-        out = skinny_linear(xs, weight, bias, cfg)
-        # a tile that is wrong here (e.g. a miscompile) is never chosen
-        if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
-            logger.warning("skinny GEMM %s at %dx%dx%d disagrees with cuBLAS; skipped",
-                           cfg, rows, n, k)
-            continue
-        us = _time_us(lambda cfg=cfg: skinny_linear(xs, weight, bias, cfg))
-        if us < best_us:
-            best, best_us = cfg, us
-    what, fused = "plain", None
     if prologue == ADD_NORM:
         what = "rms_norm+"
         rs, g = _pattern(rows, k, 1.0, dt, dev), _pattern(1, k, 2.0, dt, dev).view(k).add_(1)
@@ -256,8 +253,8 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
         def baseline():
             return F.linear(fused_add_rms_norm(xs, rs, g, 1e-6)[0], weight, bias)
 
-        def fused():
-            return skinny_linear(xs, weight, bias, best, ADD_NORM, rs, g, 1e-6)[0]
+        def kernel(cfg):
+            return skinny_linear(xs, weight, bias, cfg, ADD_NORM, rs, g, 1e-6)[0]
     elif prologue == SILU_MUL:
         what = "silu_mul+"
         gu = _pattern(rows, 2 * k, 1.0, dt, dev)
@@ -265,28 +262,39 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
         def baseline():
             return F.linear(silu_and_mul(gu), weight, bias)
 
-        def fused():
-            return skinny_linear(gu, weight, bias, best, SILU_MUL)
+        def kernel(cfg):
+            return skinny_linear(gu, weight, bias, cfg, SILU_MUL)
     else:
+        what = "plain"
+
         def baseline():
             return F.linear(xs, weight, bias)
+
+        def kernel(cfg):
+            return skinny_linear(xs, weight, bias, cfg)
+    ref = baseline().float()
     base = _time_us(baseline)
-    if best is not None and fused is not None:
+    best, best_us = None, float("inf")
+    for cfg in CANDIDATES:
         try:
-            # the fused form must agree with what it replaces (it skips one bf16 rounding)
-            agree = torch.allclose(fused().float(), baseline().float(), rtol=2e-2, atol=2e-2)
-            best_us = _time_us(fused) if agree else float("inf")
-        except Exception as e:      # noqa: BLE001 - a tile that fails here is never chosen
-            logger.warning("skinny GEMM %s %s at %dx%dx%d failed: %s", what, best, rows, n, k, e)
-            agree, best_us = False, float("inf")
+            # a tile that is wrong here (e.g. a miscompile) or fails is never chosen; the
+            # fused norm skips one bf16 rounding, hence the tolerance
+            agree = torch.allclose(kernel(cfg).float(), ref, rtol=2e-2, atol=2e-2)
+            us = _time_us(lambda cfg=cfg: kernel(cfg)) if agree else float("inf")
+        except Exception as e:      # noqa: BLE001
+            logger.warning("skinny GEMM %s %s at %dx%dx%d failed: %s", what, cfg, rows, n, k, e)
+            continue
         if not agree:
-            logger.warning("skinny GEMM %s %s at %dx%dx%d disagrees with cuBLAS; not used",
-                           what, best, rows, n, k)
+            logger.warning("skinny GEMM %s %s at %dx%dx%d disagrees with cuBLAS; skipped",
+                           what, cfg, rows, n, k)
+        elif us < best_us:
+            best, best_us = cfg, us
     if best is not None and best_us >= base * MARGIN:
         best = None
     logger.info("skinny GEMM rows<=%d N=%d K=%d %s %s: cuBLAS %.1f us, %s", rows, n, k,
                 str(dt).replace("torch.", ""), what, base,
-                f"triton {best} {best_us:.1f} us (chosen)" if best else "kept cuBLAS")
+                f"triton {best} {best_us:.1f} us (chosen)" if best
+                else f"kept cuBLAS (best triton {best_us:.1f} us)")
     return best
 
 
