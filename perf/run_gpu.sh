@@ -27,6 +27,8 @@ for s in $stages; do
     # W1 with the weight prefetch at budgets 16 (default), 32 and 8 MB, without it, and without
     # PDL, all in one process
     w1pf) run w1pf 240 python3 perf/w1_decode.py --profile --ab pf32,pf8,noprefetch,nopdl ;;
+    # the default (8 MB prefetch) against no prefetch and no PDL
+    w1pf8) run w1pf8 200 python3 perf/w1_decode.py --profile --ab noprefetch,nopdl ;;
     w1eager) run w1eager 120 python3 perf/w1_decode.py --enforce-eager ;;
     w1sync) PERF_ASYNC=0 run w1sync 120 python3 perf/w1_decode.py ;;
     w1cublas) PAGEDBACKEND_SKINNY_GEMM=0 run w1cublas 120 python3 perf/w1_decode.py ;;
@@ -74,7 +76,8 @@ for s in $stages; do
             NAME=llama-3.1-8b-seqs256 BUDGET_S=210 OUT="$out/w4-seqs256" bash perf/w4_gpu.sh ;;
   esac
 done
-# At most 8 files come back from a device call: everything but the result JSONs travels as one
-# archive (the JSONs are also in perf/results/ there, which does not come back).
-(cd "$out" && items=$(ls -A | grep -v '\.json$' | grep -vx logs.tgz) \
-  && [ -n "$items" ] && tar czf logs.tgz $items && rm -rf $items)
+# At most 8 files come back from a device call: everything (the result JSONs too) travels in
+# one archive; the JSONs also travel alone when there are at most 7 of them.
+(cd "$out" && items=$(ls -A | grep -vx logs.tgz) && [ -n "$items" ] && tar czf logs.tgz $items \
+  && rm -rf $(ls -A | grep -v '\.json$' | grep -vx logs.tgz) \
+  && if [ "$(ls -A | grep -c '\.json$')" -gt 7 ]; then rm -f *.json; fi)

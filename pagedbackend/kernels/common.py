@@ -92,7 +92,7 @@ def pdl_wait(USE_PDL: tl.constexpr):
 # batch-1 step. Only the first programs of a kernel prefetch, PREFETCH_BYTES in all, so the
 # prefetched lines are still in L2 (50 MB on the H100/H200) when their programs read them.
 # PAGEDBACKEND_PREFETCH_MB=0 turns it off (A/B).
-PREFETCH_BYTES = int(float(os.environ.get("PAGEDBACKEND_PREFETCH_MB", "16")) * (1 << 20))
+PREFETCH_BYTES = int(float(os.environ.get("PAGEDBACKEND_PREFETCH_MB", "8")) * (1 << 20))
 PREFETCH_PIECES = 256      # bulk prefetches per program (one or two per thread)
 
 
