@@ -78,7 +78,8 @@ def run_variants(names: str, make_llm, body) -> None:
     """In-process A/B (same process, so the same skinny-GEMM tile choices): body(llm, label)
     with a fresh engine from make_llm() for "default", then for each comma-separated variant
     in names, cumulative: noprefetch (no weight prefetch into L2 before the PDL wait), pf<MB>
-    (that prefetch budget instead of the default), mbt<N> (make_llm(max_num_batched_tokens=N)),
+    (that prefetch budget instead of the default), pfplain<MB> (only matmuls without a
+    prologue prefetch, that much), mbt<N> (make_llm(max_num_batched_tokens=N)),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". One engine is alive at a time: body must not keep
     it."""
@@ -89,13 +90,15 @@ def run_variants(names: str, make_llm, body) -> None:
     from pagedbackend.kernels import common, gemv
     variants = list(filter(None, names.split(",")))
 
-    def kind(v):        # noprefetch is pf0
+    def kind(v):        # noprefetch is pf0; pfplain<MB> is a pf too
         if v == "noprefetch":
             return "pf"
-        return next((p for p in ("pf", "mbt") if v.startswith(p) and v[len(p):].isdigit()), v)
+        return next((k for p, k in (("pfplain", "pf"), ("pf", "pf"), ("mbt", "mbt"))
+                     if v.startswith(p) and v[len(p):].isdigit()), v)
     for name in variants:
         if kind(name) not in ("nopdl", "cublas", "noprefetch", "pf", "mbt"):
-            raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, mbt<N>, nopdl or cublas")
+            raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, mbt<N>, "
+                             "nopdl or cublas")
     steps, active = [("default", None)], []
     for v in variants:
         active = [a for a in active if kind(a) != kind(v) or kind(v) == v] + [v]
@@ -107,9 +110,11 @@ def run_variants(names: str, make_llm, body) -> None:
         elif switch == "cublas":
             gemv.ENABLED = False
         elif switch == "noprefetch":
-            common.PREFETCH_BYTES = 0
+            common.PREFETCH_BYTES, common.PREFETCH_PLAIN_BYTES = 0, None
+        elif switch is not None and switch.startswith("pfplain"):
+            common.PREFETCH_BYTES, common.PREFETCH_PLAIN_BYTES = 0, int(switch[7:]) << 20
         elif switch is not None and kind(switch) == "pf":
-            common.PREFETCH_BYTES = int(switch[2:]) << 20
+            common.PREFETCH_BYTES, common.PREFETCH_PLAIN_BYTES = int(switch[2:]) << 20, None
         elif switch is not None:
             overrides["max_num_batched_tokens"] = int(switch[3:])
         llm = make_llm(**overrides)

@@ -29,6 +29,9 @@ for s in $stages; do
     w1pf) run w1pf 240 python3 perf/w1_decode.py --profile --ab pf32,pf8,noprefetch,nopdl ;;
     # the default (8 MB prefetch) against no prefetch and no PDL
     w1pf8) run w1pf8 200 python3 perf/w1_decode.py --profile --ab noprefetch,nopdl ;;
+    # prefetch only in the matmuls without a prologue (o_proj, after attention), 8/16/32 MB
+    w1pfplain) run w1pfplain 220 python3 perf/w1_decode.py \
+                 --ab pfplain16,pfplain32,pfplain8,noprefetch ;;
     w1eager) run w1eager 120 python3 perf/w1_decode.py --enforce-eager ;;
     w1sync) PERF_ASYNC=0 run w1sync 120 python3 perf/w1_decode.py ;;
     w1cublas) PAGEDBACKEND_SKINNY_GEMM=0 run w1cublas 120 python3 perf/w1_decode.py ;;
@@ -66,6 +69,9 @@ for s in $stages; do
                BUDGET_S=160 OUT="$out/w4-budget500" bash perf/w4_gpu.sh ;;
     # W4 with the repository's defaults at rates inf, 16, 4 and offline (no perf_analyzer, no
     # engine-model runs): ~270 s
+    # W4 with the repository's defaults at rates inf and 16, and offline: ~200 s
+    servefast) run serve 260 env RATES="inf 16" ENGINE_RATES="" SKIP_PA=1 BUDGET_S=250 \
+                 bash perf/w4_gpu.sh ;;
     servequick) run serve 420 env RATES="inf 16 4" ENGINE_RATES="" SKIP_PA=1 BUDGET_S=400 \
                   bash perf/w4_gpu.sh ;;
     # W4 at max_num_seqs 512 (all 500 requests admitted at once: rates inf and 16, offline) and,

@@ -92,17 +92,25 @@ def pdl_wait(USE_PDL: tl.constexpr):
 # batch-1 step. Only the first programs of a kernel prefetch, PREFETCH_BYTES in all, so the
 # prefetched lines are still in L2 (50 MB on the H100/H200) when their programs read them.
 # PAGEDBACKEND_PREFETCH_MB=0 turns it off (A/B).
+# PREFETCH_PLAIN_BYTES (None: the same) is the budget of the matmuls without a prologue: in a
+# decoder layer that is o_proj, which follows the attention kernels, the longest stretch in
+# which HBM would otherwise idle.
 PREFETCH_BYTES = int(float(os.environ.get("PAGEDBACKEND_PREFETCH_MB", "8")) * (1 << 20))
+_plain_mb = os.environ.get("PAGEDBACKEND_PREFETCH_PLAIN_MB", "")
+PREFETCH_PLAIN_BYTES = int(float(_plain_mb) * (1 << 20)) if _plain_mb else None
 PREFETCH_PIECES = 256      # bulk prefetches per program (one or two per thread)
 
 
-def prefetch_programs(t: torch.Tensor, program_bytes: int) -> int:
+def prefetch_programs(t: torch.Tensor, program_bytes: int, plain: bool = False) -> int:
     """How many programs of a kernel launched with pdl_launch(t) prefetch their program_bytes
-    of weights with l2_prefetch (0: none, then PREFETCH=False)."""
-    if PREFETCH_BYTES <= 0 or not pdl_active(t.device) or program_bytes <= 0 \
+    of weights with l2_prefetch (0: none, then PREFETCH=False); plain: a matmul without a
+    prologue (PREFETCH_PLAIN_BYTES)."""
+    budget = PREFETCH_PLAIN_BYTES if plain and PREFETCH_PLAIN_BYTES is not None \
+        else PREFETCH_BYTES
+    if budget <= 0 or not pdl_active(t.device) or program_bytes <= 0 \
             or program_bytes % (16 * PREFETCH_PIECES) or t.data_ptr() % 16:
         return 0
-    return PREFETCH_BYTES // program_bytes
+    return budget // program_bytes
 
 
 @triton.jit

@@ -170,7 +170,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         assert residual is not None and residual.shape == x.shape and residual.stride(1) == 1
         r, r_out = residual, torch.empty_like(x)
     # a program's weight rows are contiguous: block_n * k elements (all in bounds if EVEN_N)
-    pf = prefetch_programs(weight, block_n * k * weight.element_size()) if n % block_n == 0 else 0
+    pf = prefetch_programs(weight, block_n * k * weight.element_size(), prologue == PLAIN) \
+        if n % block_n == 0 else 0
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, r, r_out,
         norm_weight if norm_weight is not None else weight, eps, m, n, k,
