@@ -301,7 +301,8 @@ def test_silu_and_mul_matches_reference(dtype):
 
 # ---------------------------------------------------------------------------- skinny GEMM
 
-@pytest.mark.parametrize("cfg", importlib.import_module("pagedbackend.kernels.gemv").CANDIDATES)
+@pytest.mark.parametrize("cfg", importlib.import_module("pagedbackend.kernels.gemv").CANDIDATES
+                         + importlib.import_module("pagedbackend.kernels.gemv").DOT_CANDIDATES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_skinny_linear_matches_reference(cfg, dtype):
     from pagedbackend.kernels import common
@@ -324,14 +325,15 @@ def test_skinny_linear_matches_reference(cfg, dtype):
             assert prefetch_programs(w, cfg[0] * k * w.element_size()) > 0
 
 
+@pytest.mark.parametrize("cfg", [(16, 512, 4, 3), (32, 256, 4, 4, True)], ids=["fma", "dot"])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_skinny_norm_linear_matches_norm_then_linear(residual, dtype):
+def test_skinny_norm_linear_matches_norm_then_linear(residual, dtype, cfg):
     """RMSNorm (+ residual add) run inside the matmul: the same result as the norm kernel's
     output fed to a matmul, and the new residual is x + residual."""
     from pagedbackend.kernels.gemv import ADD_NORM, NORM, skinny_linear
     n, k = (6144, 4096) if CUDA else (48, 200)
-    cfg = (16, 512, 4, 3)
+    dot = len(cfg) > 4
     for m in (1, 2, 4):
         x = (3 * torch.randn(m, k, device=DEV)).to(dtype)
         r = torch.randn(m, k, device=DEV).to(dtype) if residual else None
@@ -353,10 +355,12 @@ def test_skinny_norm_linear_matches_norm_then_linear(residual, dtype):
         assert rel_err(y, skinny_linear(h, w, b, cfg)) < REL_TOL[dtype], m
         ref = torch.nn.functional.linear(h_ref.float(), w.float(), None if b is None else b.float())
         assert rel_err(y, ref) < 2 * REL_TOL[dtype], m
-        # ... and at fp32 accuracy against exactly what it computes
+        # ... and at fp32 accuracy against exactly what it computes (the tensor-core form
+        # rounds x * gain to the dtype on its way into the dot)
         s = (x.float() + r.float()).to(dtype).float() if residual else x.float()
         rstd = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)
-        exact = torch.nn.functional.linear(s * g.float(), w.float()) * rstd
+        sg = (s * g.float()).to(dtype).float() if dot else s * g.float()
+        exact = torch.nn.functional.linear(sg, w.float()) * rstd
         if b is not None:
             exact += b.float()
         assert rel_err(y, exact) < (REL_TOL if dtype == torch.float32 else EXACTISH)[dtype], m
@@ -366,7 +370,7 @@ def test_skinny_norm_linear_matches_norm_then_linear(residual, dtype):
 def test_skinny_silu_linear_matches_activation_then_linear(dtype):
     from pagedbackend.kernels.gemv import SILU_MUL, skinny_linear
     n, k = (4096, 14336) if CUDA else (40, 136)
-    for cfg in ((8, 1024, 4, 3), (32, 256, 4, 4)):
+    for cfg in ((8, 1024, 4, 3), (32, 256, 4, 4), (16, 256, 4, 4, True)):
         for m in (1, 3):
             gate_up = (2 * torch.randn(m, 2 * k, device=DEV)).to(dtype)
             w = (torch.randn(n, k, device=DEV) / k ** 0.5).to(dtype)

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedbackend.kernels.common import (l2_prefetch, pdl_launch, pdl_trigger, pdl_wait,
-                                         prefetch_programs)
+from pagedbackend.kernels.common import (dot_precision, l2_prefetch, mma, pdl_launch,
+                                         pdl_trigger, pdl_wait, prefetch_programs)
 
 logger = logging.getLogger("pagedbackend")
 
@@ -41,6 +41,13 @@ MAX_ROWS = 4
 # partial products stay at <= 64 fp32 registers per thread.
 CANDIDATES = ((8, 1024, 4, 3), (16, 512, 4, 3), (16, 512, 4, 4), (32, 256, 4, 4),
               (32, 512, 8, 3), (64, 128, 4, 5), (4, 1024, 2, 4))
+# The same kernel with the products on the tensor cores (tl.dot of a 16-row input tile, rows
+# past M masked to zero, against the weight tile), for 2-4 rows, where the fp32 broadcast
+# products of a [rows, BLOCK_N, BLOCK_K] tile lost to cuBLAS on the H200 by 1.2-2x. The input
+# tile is rounded to the weights' dtype on its way into the dot (after the norm's gain; 1/rms
+# still scales the finished products). Marked by a fifth element.
+DOT_CANDIDATES = ((16, 256, 4, 4, True), (32, 256, 4, 4, True), (64, 128, 4, 4, True),
+                  (32, 128, 4, 6, True))
 MARGIN = 0.97      # the kernel must take < 97% of cuBLAS's time to replace it
 ENABLED = os.environ.get("PAGEDBACKEND_SKINNY_GEMM", "1") != "0"
 
@@ -85,7 +92,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, 
                    stride_xm, stride_wn, stride_ym, stride_rm, stride_rom, prefetch_programs,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                   PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                   PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -105,7 +113,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, 
                         BLOCK_N * K * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
     pdl_wait(USE_PDL)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if BLOCK_M == 1:     # one row: a plain 2-D tile, the layout triton handles best
+    if USE_DOT:          # BLOCK_M >= 16, rows past M zero
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif BLOCK_M == 1:   # one row: a plain 2-D tile, the layout triton handles best
         acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -124,11 +134,15 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, 
         else:
             w = tl.load(w_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0,
                         eviction_policy="evict_first")
-        if BLOCK_M == 1:
+        if USE_DOT:
+            acc2 += mma(x.to(w.dtype), tl.trans(w), PRECISION)
+        elif BLOCK_M == 1:
             acc1 += tl.sum(x, axis=0)[None, :] * w.to(tl.float32)
         else:
             acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
-    if BLOCK_M == 1:
+    if USE_DOT:
+        y = acc2                                                        # [BLOCK_M, BLOCK_N]
+    elif BLOCK_M == 1:
         y = tl.sum(acc1, axis=1)[None, :]                               # [1, BLOCK_N]
     else:
         y = tl.sum(acc, axis=2)                                         # [BLOCK_M, BLOCK_N]
@@ -145,11 +159,11 @@ def rows_bucket(m: int) -> int:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  config: tuple[int, int, int, int], prologue: int = PLAIN,
+                  config: tuple, prologue: int = PLAIN,
                   residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                   eps: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (M <= MAX_ROWS, rows contiguous), weight [N, K] contiguous, bias [N] or None ->
-    [M, N] in x's dtype, with one of CANDIDATES as the tile.
+    [M, N] in x's dtype, with one of CANDIDATES or DOT_CANDIDATES as the tile.
 
     prologue NORM: y = rms_norm(x, norm_weight, eps) @ W.T; ADD_NORM: the same over x + residual,
     returning (y, x + residual); SILU_MUL: x is [M, 2K] holding gate | up and
@@ -159,9 +173,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert 1 <= m <= MAX_ROWS and x.stride(1) == 1
     assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     assert weight.is_contiguous() and (bias is None or bias.is_contiguous())
-    block_n, block_k1, warps, stages = config
-    block_m = rows_bucket(m)
-    block_k = min(max(block_k1 // block_m, 16), triton.next_power_of_2(k))
+    block_n, block_k1, warps, stages, *dot = config
+    use_dot = bool(dot and dot[0])
+    block_m = 16 if use_dot else rows_bucket(m)
+    block_k = min(block_k1 if use_dot else max(block_k1 // block_m, 16),
+                  max(triton.next_power_of_2(k), 16))
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     r = r_out = x
     if prologue in (NORM, ADD_NORM):
@@ -178,13 +194,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x.stride(0), weight.stride(0), y.stride(0), r.stride(0), r_out.stride(0), pf,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, PROLOGUE=prologue,
-        PREFETCH=pf > 0, num_warps=warps, num_stages=stages, **pdl_launch(x))
+        PREFETCH=pf > 0, USE_DOT=use_dot, PRECISION=dot_precision(weight.dtype),
+        num_warps=warps, num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
 
 
 # (device index, rows bucket, N, K, dtype, prologue) -> the chosen config, or None for cuBLAS.
 # NORM (the first layer's, no residual) shares ADD_NORM's entry.
-_CHOICE: dict[tuple, tuple[int, int, int, int] | None] = {}
+_CHOICE: dict[tuple, tuple | None] = {}
 
 
 _FLUSH: dict[int, torch.Tensor] = {}     # per device: a buffer larger than the L2 cache
@@ -276,7 +293,7 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
     ref = baseline().float()
     base = _time_us(baseline)
     best, best_us = None, float("inf")
-    for cfg in CANDIDATES:
+    for cfg in CANDIDATES + (DOT_CANDIDATES if rows > 1 else ()):
         try:
             # a tile that is wrong here (e.g. a miscompile) or fails is never chosen; the
             # fused norm skips one bf16 rounding, hence the tolerance
