@@ -21,7 +21,7 @@ for s in $stages; do
     # the GPU-only engine tests of the kernels file and the newest kernels' parity, ~1 min
     kernelsnew) run kernelsnew 120 python3 -m pytest -q tests/test_kernels.py -k "skinny or compiles or argmax or layers_run or rotary or dispatch" ;;
     # the skinny GEMM's tests (every tile, the tensor-core ones included) and the no-compile test
-    skinny) run skinny 150 python3 -m pytest -q tests/test_kernels.py -k "skinny or compiles" ;;
+    skinny) run skinny 300 python3 -m pytest -q tests/test_kernels.py -k "skinny or compiles" ;;
     correctness) run correctness 240 python3 perf/gpu_correctness.py ;;
     w1) run w1 150 python3 perf/w1_decode.py --profile ;;
     # W1, then in the same process (same tile choices) without PDL and without the skinny GEMM
