@@ -74,6 +74,11 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
                ("PAGEDBACKEND_PDL", "0"): "nopdl", ("PAGEDBACKEND_PREFETCH_MB", "0"): "noprefetch"}
 
 
+AB_HELP = ("comma-separated variants to run after the main one in the same process, "
+           "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, nopdl, cublas "
+           "(perf/common.run_variants)")
+
+
 def run_variants(names: str, make_llm, body) -> None:
     """In-process A/B (same process, so the same skinny-GEMM tile choices): body(llm, label)
     with a fresh engine from make_llm() for "default", then for each comma-separated variant
@@ -96,7 +101,7 @@ def run_variants(names: str, make_llm, body) -> None:
         return next((k for p, k in (("pfplain", "pf"), ("pf", "pf"), ("mbt", "mbt"))
                      if v.startswith(p) and v[len(p):].isdigit()), v)
     for name in variants:
-        if kind(name) not in ("nopdl", "cublas", "noprefetch", "pf", "mbt"):
+        if kind(name) not in ("nopdl", "cublas", "pf", "mbt"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, mbt<N>, "
                              "nopdl or cublas")
     steps, active = [("default", None)], []

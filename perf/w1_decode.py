@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import (H200_BW, LIMITS, decode_tokens_per_s, dummy_model_dir,
+from common import (AB_HELP, H200_BW, LIMITS, decode_tokens_per_s, dummy_model_dir,
                     engine_overrides, print_table, profile_generate, random_prompts,
                     run_variants, timed, write_result)
 
@@ -60,9 +60,7 @@ def main():
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also profile 32 decode steps")
-    ap.add_argument("--ab", default="", help="comma-separated variants to run after the main "
-                    "one in the same process, cumulative: noprefetch, pf<MB>, mbt<N>, nopdl, cublas "
-                    "(perf/common.run_variants)")
+    ap.add_argument("--ab", default="", help=AB_HELP)
     a = ap.parse_args()
     from pagedbackend import LLM
 

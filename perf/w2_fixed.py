@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from common import (LIMITS, cuda_alloc_stats, dummy_model_dir, engine_overrides, output_tokens,
-                    print_table, profile_generate, random_prompts, run_variants, timed,
-                    write_result)
+from common import (AB_HELP, LIMITS, cuda_alloc_stats, dummy_model_dir, engine_overrides,
+                    output_tokens, print_table, profile_generate, random_prompts, run_variants,
+                    timed, write_result)
 
 SHAPES = {"128-128": (128, 128, 1024), "128-2048": (128, 2048, 512), "2048-128": (2048, 128, 512)}
 
@@ -40,9 +40,7 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="also profile 512 requests of 128/128 (one wave of W2 128/128: "
                     "8 prefill steps, 128 decode steps of 512 rows)")
-    ap.add_argument("--ab", default="", help="comma-separated variants to run after the main "
-                    "one in the same process, cumulative: noprefetch, pf<MB>, mbt<N>, nopdl, cublas "
-                    "(perf/common.run_variants)")
+    ap.add_argument("--ab", default="", help=AB_HELP)
     a = ap.parse_args()
     from pagedbackend import LLM
 

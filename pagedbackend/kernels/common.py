@@ -65,9 +65,8 @@ def pdl_enter(USE_PDL: tl.constexpr):
     """Let the next kernel's programs take free SM slots now (they wait in their own pdl_enter),
     then wait until the previous kernel has finished and its writes are visible. Everything a
     program does before this must read only what no earlier kernel writes (e.g. weights)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)
 
 
 @triton.jit
@@ -98,7 +97,7 @@ def pdl_wait(USE_PDL: tl.constexpr):
 PREFETCH_BYTES = int(float(os.environ.get("PAGEDBACKEND_PREFETCH_MB", "8")) * (1 << 20))
 _plain_mb = os.environ.get("PAGEDBACKEND_PREFETCH_PLAIN_MB", "")
 PREFETCH_PLAIN_BYTES = int(float(_plain_mb) * (1 << 20)) if _plain_mb else None
-PREFETCH_PIECES = 256      # bulk prefetches per program (one or two per thread)
+PREFETCH_PIECES = tl.constexpr(256)      # bulk prefetches per program (1-2 per thread)
 
 
 def prefetch_programs(t: torch.Tensor, program_bytes: int, plain: bool = False) -> int:
@@ -108,7 +107,7 @@ def prefetch_programs(t: torch.Tensor, program_bytes: int, plain: bool = False) 
     budget = PREFETCH_PLAIN_BYTES if plain and PREFETCH_PLAIN_BYTES is not None \
         else PREFETCH_BYTES
     if budget <= 0 or not pdl_active(t.device) or program_bytes <= 0 \
-            or program_bytes % (16 * PREFETCH_PIECES) or t.data_ptr() % 16:
+            or program_bytes % (16 * PREFETCH_PIECES.value) or t.data_ptr() % 16:
         return 0
     return budget // program_bytes
 
@@ -117,12 +116,13 @@ def prefetch_programs(t: torch.Tensor, program_bytes: int, plain: bool = False) 
 def l2_prefetch(base, nbytes):
     """Prefetch [base, base + nbytes) (bytes, a multiple of 16 * PREFETCH_PIECES, 16-byte
     aligned) into L2 in PREFETCH_PIECES bulk requests; returns at once. sm_90+ only."""
-    piece = nbytes // 256          # PREFETCH_PIECES
-    offs = tl.arange(0, 256).to(tl.int64) * piece
+    piece = nbytes // PREFETCH_PIECES
+    offs = tl.arange(0, PREFETCH_PIECES).to(tl.int64) * piece
     addr = base.to(tl.pointer_type(tl.int8)) + offs
     tl.inline_asm_elementwise(
         "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-        [addr, piece + tl.zeros([256], dtype=tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        [addr, piece + tl.zeros([PREFETCH_PIECES], dtype=tl.int32)], dtype=tl.int32,
+        is_pure=False, pack=1)
 
 
 @functools.lru_cache(maxsize=None)

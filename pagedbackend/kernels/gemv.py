@@ -185,16 +185,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if prologue == ADD_NORM:
         assert residual is not None and residual.shape == x.shape and residual.stride(1) == 1
         r, r_out = residual, torch.empty_like(x)
+    even_n = n % block_n == 0
     # a program's weight rows are contiguous: block_n * k elements (all in bounds if EVEN_N)
     pf = prefetch_programs(weight, block_n * k * weight.element_size(), prologue == PLAIN) \
-        if n % block_n == 0 else 0
+        if even_n else 0
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, r, r_out,
         norm_weight if norm_weight is not None else weight, eps, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0), r.stride(0), r_out.stride(0), pf,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, PROLOGUE=prologue,
-        PREFETCH=pf > 0, USE_DOT=use_dot, PRECISION=dot_precision(weight.dtype),
+        EVEN_N=even_n, EVEN_K=k % block_k == 0, PROLOGUE=prologue, PREFETCH=pf > 0, USE_DOT=use_dot, PRECISION=dot_precision(weight.dtype),
         num_warps=warps, num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
 
@@ -317,7 +317,7 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
 
 
 def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            prologue: int = PLAIN) -> tuple[int, int, int, int] | None:
+            prologue: int = PLAIN) -> tuple | None:
     """The tile measured faster than cuBLAS for this (rows, weight, prologue), or None for
     cuBLAS."""
     k_in = 2 * weight.shape[1] if prologue == SILU_MUL else weight.shape[1]
