@@ -75,7 +75,7 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
 
 
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
-           "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, nopdl, cublas "
+           "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, mergekernel, nopdl, cublas "
            "(perf/common.run_variants)")
 
 
@@ -85,6 +85,7 @@ def run_variants(names: str, make_llm, body) -> None:
     in names, cumulative: noprefetch (no weight prefetch into L2 before the PDL wait), pf<MB>
     (that prefetch budget instead of the default), pfplain<MB> (only matmuls without a
     prologue prefetch, that much), mbt<N> (make_llm(max_num_batched_tokens=N)),
+    mergekernel (split-KV decode merged by a second kernel, not by its last program),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". One engine is alive at a time: body must not keep
     it."""
@@ -92,7 +93,7 @@ def run_variants(names: str, make_llm, body) -> None:
 
     import torch
 
-    from pagedbackend.kernels import common, gemv
+    from pagedbackend.kernels import common, decode, gemv
     variants = list(filter(None, names.split(",")))
 
     def kind(v):        # noprefetch is pf0; pfplain<MB> is a pf too
@@ -101,9 +102,9 @@ def run_variants(names: str, make_llm, body) -> None:
         return next((k for p, k in (("pfplain", "pf"), ("pf", "pf"), ("mbt", "mbt"))
                      if v.startswith(p) and v[len(p):].isdigit()), v)
     for name in variants:
-        if kind(name) not in ("nopdl", "cublas", "pf", "mbt"):
+        if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "mergekernel"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, mbt<N>, "
-                             "nopdl or cublas")
+                             "mergekernel, nopdl or cublas")
     steps, active = [("default", None)], []
     for v in variants:
         active = [a for a in active if kind(a) != kind(v) or kind(v) == v] + [v]
@@ -114,6 +115,8 @@ def run_variants(names: str, make_llm, body) -> None:
             common.PDL_ENABLED = False
         elif switch == "cublas":
             gemv.ENABLED = False
+        elif switch == "mergekernel":
+            decode.FUSED_MERGE = False
         elif switch == "noprefetch":
             common.PREFETCH_BYTES, common.PREFETCH_PLAIN_BYTES = 0, None
         elif switch is not None and switch.startswith("pfplain"):
