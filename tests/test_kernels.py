@@ -569,3 +569,45 @@ def test_no_kernel_compiles_after_warmup(tmp_path, eager):
     while engine.has_unfinished():
         engine.step()
     assert COMPILES.armed and COMPILES.after_arm[before:] == []
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_single_sequence_prefill_graph_matches_eager(tmp_path):
+    """A step that prefills one sequence alone replays a graph of its token-count bucket
+    (padding tokens write nowhere; a cached prefix is read through the block table) and gives
+    the eager step's logits; past the largest bucket the step runs eagerly."""
+    import json
+
+    import numpy as np
+
+    from pagedbackend import LLM
+    from pagedbackend.testing import TINY_CONFIGS
+    from pagedbackend.worker.model_runner import HostInputs
+    cfg = dict(TINY_CONFIGS["llama"], architectures=["LlamaForCausalLM"], model_type="llama",
+               max_position_embeddings=2048)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4, max_model_len=1024,
+              num_kv_blocks=512, load_format="dummy")
+    runner = llm.engine.runner
+    graphs = runner.prefill_graphs
+    assert graphs is not None and graphs.buckets[-1] == 512
+    with torch.no_grad():       # dummy weights are ~1e-3: spread them so the logits move
+        for name, p in runner.model.named_parameters():
+            if "norm" not in name:
+                p.mul_(60)
+    bs, rng = runner.block_size, np.random.default_rng(0)
+    table = (np.arange(64, dtype=np.int32) + 100)[None, :]      # blocks no request owns
+    for start, q_len in [(0, 2), (0, 16), (0, 100), (64, 65), (200, 300), (0, 600)]:
+        if start:   # the cached prefix, written by an eager step first
+            runner.forward_logits(HostInputs(
+                rng.integers(0, 160, start), np.arange(start), np.array([start]),
+                np.array([0]), table, [0], bs), graphs=False)
+        h = HostInputs(rng.integers(0, 160, q_len), np.arange(start, start + q_len),
+                       np.array([q_len]), np.array([start]), table, [0], bs)
+        eager = runner.forward_logits(h, graphs=False).clone()
+        before = graphs.replays
+        replayed = runner.forward_logits(h).clone()
+        assert graphs.replays == before + (q_len <= 512)
+        assert replayed.shape == eager.shape == (1, 160) and not torch.isnan(replayed).any()
+        assert torch.allclose(replayed, eager, rtol=1e-4, atol=1e-4), (start, q_len)
+    llm.engine.shutdown()

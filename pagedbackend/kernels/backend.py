@@ -59,13 +59,13 @@ class TritonAttentionBackend:
             store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         else:   # one kernel: q rotated in place, k rotated on its way into the cache
             q = rotary_store_kv(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q) if meta.padded else torch.empty_like(q)
         b = meta.seq_lens.shape[0]
         decode_only = meta.max_query_len == 1
         # Single-query sequences (all of them in a decode step, some in a mixed chunked-prefill
         # step) go to the GQA-packed split-KV decode kernel; 128-row prefill tiles would waste
         # 127 rows on each and read its context once per query head instead of per KV head.
-        singles = decode_only or 1 in meta.query_lens_cpu
+        singles = decode_only or meta.has_single_queries
         if singles:
             hkv = k_cache.shape[2]
             splits = self.num_splits or choose_num_splits(
@@ -85,7 +85,7 @@ class TritonAttentionBackend:
             paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, scale, out, self.prefill_config,
                                     skip_single=singles)
-        n_real = b if decode_only else sum(meta.query_lens_cpu)
+        n_real = b if decode_only else meta.num_tokens
         if n_real < q.shape[0]:
             out[n_real:].zero_()     # padding rows: defined values, never NaN
         return out

@@ -12,6 +12,7 @@ process and kernels can be tested alone. GPU kernels (pagedbackend.kernels) impl
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,10 +33,22 @@ class AttentionMetadata:
     # Host copies, so the CPU path never reads device tensors back.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # A CUDA-graph step padded past its real tokens, whose number only the device knows (the
+    # host fields describe the padded shape): the attention output's padding rows are zeroed.
+    padded: bool = False
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    # Once per step, not once per layer (a 512-sequence step has 512-entry lists).
+    @functools.cached_property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_cpu)
+
+    @functools.cached_property
+    def has_single_queries(self) -> bool:
+        return 1 in self.query_lens_cpu
 
     @property
     def is_decode_only(self) -> bool:

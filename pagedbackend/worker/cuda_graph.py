@@ -3,10 +3,16 @@
 A decode step (every row has one new token) is padded up to the next bucket. Padded rows write
 nowhere (slot -1) and attend over one token of block 0; their logits are ignored. The graphs
 share one memory pool and are captured largest first, after an eager warm-up.
+
+Steps that prefill one sequence of 2-512 tokens alone (a request arriving while nothing else
+runs) replay a graph per token-count bucket too (PrefillGraphs): run eagerly, such a step is
+hundreds of kernel launches from Python, several times its GPU time, and all of it is the
+request's time to first token. PAGEDBACKEND_PREFILL_GRAPHS=0 runs them eagerly (A/B).
 """
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -14,6 +20,9 @@ import torch
 from pagedbackend.layers.attention import AttentionMetadata
 
 logger = logging.getLogger("pagedbackend")
+
+PREFILL_GRAPHS = os.environ.get("PAGEDBACKEND_PREFILL_GRAPHS", "1") != "0"
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -95,3 +104,87 @@ class DecodeGraphs:
             self.seq_lens[bs:pb].fill_(1)
         self.graphs[pb].replay()
         return self.logits[pb][:bs]
+
+
+class PrefillGraphs:
+    """Graphs for a step that is one sequence's prefill (or a prefill chunk) of 2..max_tokens
+    tokens, padded up to a bucket of PREFILL_BUCKETS. Everything that varies (the real token
+    count, the context length with any cached prefix, the block table, which row samples) is
+    in static device buffers: the prefill attention kernel finds its sequence's rows from
+    query_start_loc on the device, padding tokens write nowhere (slot -1), and their attention
+    rows are zeroed (meta.padded). Only the sampling row's hidden state reaches the LM head."""
+
+    def __init__(self, model: Any, kv_caches: list, device: torch.device, max_tokens: int,
+                 max_model_len: int, block_size: int, pool: Any = None):
+        self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.buckets = [t for t in PREFILL_BUCKETS if t <= max_tokens]
+        self.max_model_len = max_model_len
+        t_max = self.buckets[-1] if self.buckets else 0
+        max_blocks = -(-max_model_len // block_size)
+        z = lambda *shape, dt: torch.zeros(shape, dtype=dt, device=device)
+        self.input_ids = z(t_max, dt=torch.long)
+        self.positions = z(t_max, dt=torch.long)
+        self.slot_mapping = z(t_max, dt=torch.long)
+        self.seq_lens = z(1, dt=torch.int32)
+        self.query_start_loc = z(2, dt=torch.int32)
+        self.block_tables = z(1, max_blocks, dt=torch.int32)
+        self.logits_index = z(1, dt=torch.long)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = pool
+        self.replays = 0
+
+    def _meta(self, t: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:t], query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens, block_tables=self.block_tables, max_query_len=t,
+            max_seq_len=self.max_model_len, query_lens_cpu=[t],
+            seq_lens_cpu=[self.max_model_len], padded=True)
+
+    def _forward(self, t: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:t], self.positions[:t], self._meta(t),
+                            self.kv_caches)
+        return self.model.compute_logits(hidden.index_select(0, self.logits_index))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.slot_mapping.fill_(-1)             # capture writes no K/V
+        for t in reversed(self.buckets):
+            self.query_start_loc[1] = t
+            self.seq_lens.fill_(t)
+            self.logits_index.fill_(t - 1)
+            self._forward(t)                        # warm-up: tuning, compiles, allocations
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.logits[t] = self._forward(t)
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[t] = g
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d single-sequence prefill CUDA graphs (token counts %s)",
+                    len(self.graphs), self.buckets)
+
+    def bucket(self, num_tokens: int) -> int | None:
+        return next((t for t in self.buckets if t >= num_tokens), None)
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            seq_len: torch.Tensor, table: torch.Tensor, logits_index: torch.Tensor
+            ) -> torch.Tensor:
+        """Replay the graph for one sequence's tokens (inputs on the device; seq_len [1], table
+        [1, n], logits_index [1]: the row that samples); returns its logits [1, vocab], valid
+        until the next replay of any graph."""
+        t = tokens.shape[0]
+        pb = self.bucket(t)
+        self.input_ids[:t].copy_(tokens, non_blocking=True)
+        self.positions[:t].copy_(positions, non_blocking=True)
+        self.slot_mapping[:t].copy_(slots, non_blocking=True)
+        if pb > t:
+            self.slot_mapping[t:pb].fill_(-1)
+        self.query_start_loc[1:].fill_(t)
+        self.seq_lens.copy_(seq_len, non_blocking=True)
+        self.block_tables[:, :table.shape[1]].copy_(table, non_blocking=True)
+        self.logits_index.copy_(logits_index, non_blocking=True)
+        self.graphs[pb].replay()
+        self.replays += 1
+        return self.logits[pb]

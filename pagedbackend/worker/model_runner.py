@@ -19,7 +19,8 @@ from pagedbackend.core.scheduler import SchedulerOutput
 from pagedbackend.layers.attention import AttentionMetadata
 from pagedbackend.layers.sampler import Sampler, SamplingMetadata, argmax, to_device_async
 from pagedbackend.models import build_model, load_weights
-from pagedbackend.worker.cuda_graph import DecodeGraphs
+from pagedbackend.worker import cuda_graph
+from pagedbackend.worker.cuda_graph import DecodeGraphs, PrefillGraphs
 from pagedbackend.worker.kv_sizing import kv_bytes_per_block, num_blocks_for_device
 
 logger = logging.getLogger("pagedbackend")
@@ -104,6 +105,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.num_kv_blocks = 0
         self.graphs: Optional[DecodeGraphs] = None
+        self.prefill_graphs: Optional[PrefillGraphs] = None
         self.sync_wait_s = 0.0      # time spent waiting for the GPU at the per-step sync
         self.gpu_busy_s = 0.0       # CUDA: sum of (first upload -> ids copied) per step
         self.prev_sampled: Optional[torch.Tensor] = None    # the last launch's sampled ids
@@ -128,6 +130,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
                                        self.config.max_num_seqs, max_model_len, self.block_size)
             self.graphs.capture()
+            if cuda_graph.PREFILL_GRAPHS:
+                self.prefill_graphs = PrefillGraphs(
+                    self.model, self.kv_caches, self.device, max_num_batched_tokens,
+                    max_model_len, self.block_size, self.graphs.pool)
+                self.prefill_graphs.capture()
         if self.device.type == "cuda":
             self.warmup(max_model_len)
             from pagedbackend.kernels.common import COMPILES
@@ -170,7 +177,9 @@ class ModelRunner:
         token counts of 1, a multiple of 16 and neither; short contexts and ~300-token ones,
         where decode rows of a small batch split the KV) so each triton kernel variant is
         compiled at start: a first compile in the middle of serving stalls every request for
-        about a second. Writes only scratch K/V into blocks no request owns yet."""
+        about a second. Eager even where a step of that shape would replay a graph (the
+        graphs' own variants were built when they were captured). Writes only scratch K/V into
+        blocks no request owns yet."""
         bs = self.block_size
         longest = min(300, max_model_len - 20, self.num_kv_blocks * bs // 4 - 20)
         for start in sorted({3, max(3, longest)}):
@@ -184,7 +193,7 @@ class ModelRunner:
                 positions = np.concatenate([np.arange(start, start + k) for k in q_lens])
                 h = HostInputs(np.zeros(int(q.sum()), np.int64), positions, q, starts, table,
                                list(range(n)), bs)
-                logits = self.forward_logits(h)
+                logits = self.forward_logits(h, graphs=False)
                 if logits is not None:
                     argmax(logits)      # the greedy sampler's kernel, too
         if self.device.type == "cuda":
@@ -257,17 +266,23 @@ class ModelRunner:
             seq_lens_cpu=h.seq_lens.tolist())
         return StepInputs(tokens, positions, meta, logits_idx_d, h.sample_rows)
 
-    def forward_logits(self, h: HostInputs) -> Optional[torch.Tensor]:
-        """Logits of the rows that sample: a CUDA graph replay for decode steps, else eager.
+    def forward_logits(self, h: HostInputs, graphs: bool = True) -> Optional[torch.Tensor]:
+        """Logits of the rows that sample: a CUDA graph replay for decode steps and for one
+        sequence's prefill of up to 512 tokens, else eager (graphs=False: always eager).
         Tensor-parallel workers call this alone (they take part in the collectives, not in
         sampling)."""
-        if self.graphs is not None and h.decode_only and self.graphs.bucket(len(h.tokens)):
+        if graphs and self.graphs is not None and h.decode_only \
+                and self.graphs.bucket(len(h.tokens)):
             # The graph's static int32 buffers take the int64 uploads by copy (no casts here).
             tokens, positions, slots, _, seq_lens, table, rows = self._upload_step(h)
             logits = self.graphs.run(tokens, positions, slots, seq_lens, table)
             # One token per row, so the logits indices are the sampling rows (already on the
             # device: indexing with the host list would be a blocking copy).
             return logits if len(h.sample_rows) == len(h.tokens) else logits.index_select(0, rows)
+        if graphs and self.prefill_graphs is not None and len(h.q_lens) == 1 \
+                and h.sample_rows and self.prefill_graphs.bucket(len(h.tokens)):
+            tokens, positions, slots, _, seq_lens, table, rows = self._upload_step(h)
+            return self.prefill_graphs.run(tokens, positions, slots, seq_lens, table, rows)
         inputs = self.to_device(h)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         if not h.sample_rows:
