@@ -167,6 +167,37 @@ def test_decode_fused_merge_matches_merge_kernel(mixed):
         assert torch.isnan(outs[1][1:6]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_with_rope_store_matches_rotary_store_then_decode(dtype):
+    # The decode kernel's own rotary + KV write (rope_store) against rotary_store_kv followed
+    # by the plain decode kernel: same caches, same output, q and k left as they were; a
+    # padding row (slot -1) writes nothing. Splits 1 and 3 (the new token in the last split).
+    from pagedbackend.kernels.rotary import rotary_store_kv
+    hq, hkv, d = SHAPES[4]
+    seq_lens = [37, 20, 1]
+    q, k, v, kc, vc, meta = make_batch([1, 1, 1], seq_lens, 4, hq, hkv, d, dtype)
+    meta.slot_mapping[2] = -1
+    cache = torch_rotary.build_cos_sin_cache(d, 64, 10000.0, None, dtype, DEV)
+    positions = torch.tensor([36, 19, 0], device=DEV)
+    cfg = None if CUDA else dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    for splits in (1, 3):
+        kc_ref, vc_ref, q_ref = kc.clone(), vc.clone(), q.clone()
+        rotary_store_kv(q_ref, k, v, positions, cache, kc_ref, vc_ref, meta.slot_mapping)
+        part = (torch.empty(3 * hq * splits * d, device=DEV), torch.empty(3 * hq * splits, device=DEV))
+        ref = torch.full_like(q, float("nan"))
+        kernels.paged_decode_attention(q_ref, kc_ref, vc_ref, meta.block_tables, meta.seq_lens,
+                                       d ** -0.5, ref, splits, *part, cfg)
+        kc_out, vc_out, q_in, k_in = kc.clone(), vc.clone(), q.clone(), k.clone()
+        out = torch.full_like(q, float("nan"))
+        kernels.paged_decode_attention(q_in, kc_out, vc_out, meta.block_tables, meta.seq_lens,
+                                       d ** -0.5, out, splits, *part, cfg,
+                                       rope_store=(k_in, v, positions, cache, meta.slot_mapping))
+        assert torch.equal(q_in, q) and torch.equal(k_in, k)
+        assert torch.equal(vc_out, vc_ref)
+        assert rel_err(kc_out, kc_ref) < EXACTISH[dtype]
+        assert rel_err(out, ref) < REL_TOL[dtype]
+
+
 def test_num_splits_heuristic():
     assert kernels.choose_num_splits(256, 8, 2048, 132) == 1
     assert kernels.choose_num_splits(1, 8, 8192, 132) == 32
@@ -300,14 +331,17 @@ def test_rotary_store_kv_matches_rotary_then_store(dtype):
     assert torch.equal(kc.flatten(0, 1)[untouched], kc_ref.flatten(0, 1)[untouched])
 
 
-def test_backend_rope_matches_torch_backend():
-    """The model's call: rotary handed to the backend (fused into the KV write on triton)."""
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_backend_rope_matches_torch_backend(decode_only):
+    """The model's call: rotary handed to the backend (fused into the KV write on triton; in a
+    decode step, into the decode attention kernel)."""
     from pagedbackend.layers.attention import TorchAttentionBackend
     hq, hkv, d = SHAPES[2]
     dtype = torch.float32
-    q, k, v, kc, vc, meta = make_batch([6, 1], [40, 9], 16, hq, hkv, d, dtype)
+    q_lens = [1, 1] if decode_only else [6, 1]
+    q, k, v, kc, vc, meta = make_batch(q_lens, [40, 9], 16, hq, hkv, d, dtype)
     cache = torch_rotary.build_cos_sin_cache(d, 64, 10000.0, None, dtype, DEV)
-    positions = torch.cat([torch.arange(34, 40), torch.tensor([8])]).to(DEV)
+    positions = torch.cat([torch.arange(40 - q_lens[0], 40), torch.tensor([8])]).to(DEV)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     ref = TorchAttentionBackend().forward(q.clone(), k.clone(), v, kc_ref, vc_ref, meta,
                                           d ** -0.5, rope=(positions, cache))

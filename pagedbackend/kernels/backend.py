@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedbackend.kernels import decode
 from pagedbackend.kernels.cache import store_kv_cache
 from pagedbackend.kernels.common import num_sms
 from pagedbackend.kernels.decode import choose_num_splits, max_split_rows, paged_decode_attention
@@ -15,7 +16,8 @@ from pagedbackend.layers.rotary import apply_rotary
 class TritonAttentionBackend:
     """Writes K/V, then runs the decode kernel when every sequence has one query
     (meta.max_query_len == 1), and otherwise the prefill kernel, plus the decode kernel for the
-    single-query sequences of a mixed batch (both select their sequences on the device).
+    single-query sequences of a mixed batch (both select their sequences on the device). In a
+    decode step the decode kernel applies the rotary embedding and writes K/V itself.
 
     Decode is CUDA-graph safe: it reads only host fields of meta (shapes, max_seq_len), launches
     grids that depend on the batch size and the split count alone, and uses split-KV scratch
@@ -55,13 +57,18 @@ class TritonAttentionBackend:
         if rope is not None and not USE_KERNELS:       # the torch-rotary A/B
             q, k = apply_rotary(q, k, *rope)
             rope = None
-        if rope is None:
+        b = meta.seq_lens.shape[0]
+        decode_only = meta.max_query_len == 1
+        rope_store = None
+        if rope is not None and decode_only and decode.ROPE_IN_DECODE \
+                and rope[1].shape[-1] == q.shape[-1]:
+            # the decode kernel rotates q and k and writes k and v itself
+            rope_store = (k[:b], v[:b], rope[0][:b], rope[1], meta.slot_mapping[:b])
+        elif rope is None:
             store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         else:   # one kernel: q rotated in place, k rotated on its way into the cache
             q = rotary_store_kv(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)
         out = torch.zeros_like(q) if meta.padded else torch.empty_like(q)
-        b = meta.seq_lens.shape[0]
-        decode_only = meta.max_query_len == 1
         # Single-query sequences (all of them in a decode step, some in a mixed chunked-prefill
         # step) go to the GQA-packed split-KV decode kernel; 128-row prefill tiles would waste
         # 127 rows on each and read its context once per query head instead of per KV head.
@@ -76,7 +83,8 @@ class TritonAttentionBackend:
             if decode_only:
                 paged_decode_attention(q[:b], k_cache, v_cache, meta.block_tables,
                                        meta.seq_lens, scale, out[:b], splits, part_out,
-                                       part_lse, self.decode_config, counters=counters)
+                                       part_lse, self.decode_config, counters=counters,
+                                       rope_store=rope_store)
             else:
                 paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        scale, out, splits, part_out, part_lse,

@@ -13,6 +13,9 @@ With splits, the last of a (sequence, kv head)'s programs to finish merges their
 outputs (an atomic counter per pair says which one is last, and puts itself back to zero), so
 no second kernel is launched: at batch 1 a separate merge kernel was one of seven launches per
 layer. PAGEDBACKEND_FUSED_MERGE=0 launches the separate merge kernel instead (A/B).
+
+In a decode step the kernel also applies the rotary embedding to q and the new k and writes
+the new k and v into the cache (rope_store), which was a kernel of its own before it.
 """
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 128
 FUSED_MERGE = os.environ.get("PAGEDBACKEND_FUSED_MERGE", "1") != "0"
+# The backend hands a decode step's rotary embedding and KV write to this kernel (one launch
+# per layer fewer); PAGEDBACKEND_ROPE_IN_DECODE=0 keeps them in rotary_store_kv (A/B).
+ROPE_IN_DECODE = os.environ.get("PAGEDBACKEND_ROPE_IN_DECODE", "1") != "0"
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
@@ -79,19 +85,50 @@ def _merge_head(part_out_ptr, part_lse_ptr, out_ptr, row0, num_splits,
     tl.store(out_ptr + d, res.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+@triton.jit
+def _rope_and_store(q, q_at, k_new, v_new, pos, cos_sin_ptr, stride_c, slot, k_base, v_base,
+                    stride_kb, stride_ks, stride_vb, stride_vs, holds_new, d, g_mask, d_mask,
+                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The rotary embedding and KV write of a decode row's new token (position pos, the
+    context's last), done by the attention kernel: returns q [BLOCK_G, BLOCK_D] rotated (NeoX
+    halves, fp32, rounded to q's dtype as the separate kernel rounds it); the one split whose
+    range holds the new position (holds_new) writes the rotated k and v at slot (-1: none)
+    before it reads that position back, and no other split reads it."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    partner = (d + HALF) % HEAD_DIM                  # the other half's element
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    cs = cos_sin_ptr + pos * stride_c + d % HALF
+    cos = tl.load(cs, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cs + HALF, mask=d_mask, other=0.0).to(tl.float32)
+    q_p = tl.load(q_at + partner[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q_rot = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_p.to(tl.float32) * sin[None, :])
+    if holds_new & (slot >= 0):
+        k = tl.load(k_new + d, mask=d_mask, other=0.0).to(tl.float32)
+        k_p = tl.load(k_new + partner, mask=d_mask, other=0.0).to(tl.float32)
+        blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        kc = k_base + blk * stride_kb + off * stride_ks
+        tl.store(kc + d, (k * cos + sign * k_p * sin).to(kc.dtype.element_ty), mask=d_mask)
+        vc = v_base + blk * stride_vb + off * stride_vs
+        tl.store(vc + d, tl.load(v_new + d, mask=d_mask, other=0.0).to(vc.dtype.element_ty),
+                 mask=d_mask)
+    tl.debug_barrier()          # the program's own stores before its loads of that position
+    return q_rot.to(q.dtype)
+
+
 # stride_bt is the block-table width of this step: unspecialized, or every width that is 1 or a
 # multiple of 16 would compile a variant of its own in the middle of serving.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                    query_start_loc_ptr, out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
+                   new_k_ptr, new_v_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
                    scale_log2, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                   stride_bt,
+                   stride_bt, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c,
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr,
                    BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, MIXED: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   ROPE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -113,8 +150,17 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     heads = kvh * GROUP + g
-    q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q_at = q_ptr + q_row * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_at + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if ROPE:
+        q = _rope_and_store(q, q_at, new_k_ptr + q_row * stride_nkt + kvh * stride_nkh,
+                            new_v_ptr + q_row * stride_nvt + kvh * stride_nvh,
+                            tl.load(pos_ptr + q_row).to(tl.int64), cos_sin_ptr, stride_c,
+                            tl.load(slot_ptr + q_row).to(tl.int64),
+                            k_cache_ptr + kvh * stride_kh, v_cache_ptr + kvh * stride_vh,
+                            stride_kb, stride_ks, stride_vb, stride_vs,
+                            (lo <= seq_len - 1) & (seq_len - 1 < hi), d, g_mask, d_mask,
+                            HEAD_DIM, BLOCK_SIZE)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -195,7 +241,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            config: dict | None = None,
                            query_start_loc: torch.Tensor | None = None,
                            counters: torch.Tensor | None = None,
-                           fused_merge: bool | None = None) -> torch.Tensor:
+                           fused_merge: bool | None = None,
+                           rope_store: tuple | None = None) -> torch.Tensor:
     """q/out [B, Hq, D] (row b is sequence b's single query); caches [N, block_size, Hkv, D].
 
     With query_start_loc (a mixed batch, q/out [T, Hq, D]) only sequences with exactly one query
@@ -206,6 +253,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     caller's scratch, so nothing here allocates (counters=None: allocated here).
     fused_merge (default FUSED_MERGE): the split programs merge their partials themselves,
     else a second kernel does.
+
+    rope_store = (k, v, positions, cos_sin_cache, slot_mapping) (not with query_start_loc): q
+    and k [B, Hkv, D] are this step's, before the rotary embedding (full head_dim, NeoX); the
+    kernel rotates q in registers (q itself is left as it was) and writes rotated k and v at
+    slot_mapping (-1: nowhere) before reading them back: the work of rotary_store_kv without
+    its launch (see ROPE_IN_DECODE).
     """
     hq, d = q.shape[1:]
     b = seq_lens.shape[0]
@@ -225,19 +278,30 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         assert counters.dtype == torch.int32 and counters.numel() >= b * hkv
     else:
         part_out = part_lse = out           # unused by the kernel
+    if rope_store is not None:
+        new_k, new_v, positions, cos_sin, slots = rope_store
+        assert not mixed and cos_sin.shape[-1] == d and d % 2 == 0
+        assert new_k.shape == new_v.shape == (b, hkv, d) and new_k.stride(2) == 1 \
+            and new_v.stride(2) == 1 and cos_sin.stride(-1) == 1 and k_cache.stride(3) == 1
+        rope_args = (new_k, new_v, positions, cos_sin, slots)
+        rope_strides = (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
+                        cos_sin.stride(0))
+    else:
+        rope_args, rope_strides = (seq_lens,) * 5, (0,) * 5
     _decode_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc if mixed else seq_lens,
-        out, part_out, part_lse, counters if counters is not None else seq_lens,
+        out, part_out, part_lse, counters if counters is not None else seq_lens, *rope_args,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), *rope_strides,
         NUM_Q_HEADS=hq, GROUP=group, BLOCK_G=next_pow2(group, 16),
         HEAD_DIM=d, BLOCK_D=next_pow2(d, 16), BLOCK_SIZE=k_cache.shape[1],
         BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, FUSED_MERGE=num_splits > 1 and fused,
         BLOCK_S=next_pow2(MAX_SPLITS, 2), PRECISION=dot_precision(q.dtype),
-        MIXED=mixed, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q))
+        MIXED=mixed, ROPE=rope_store is not None, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **pdl_launch(q))
     if num_splits > 1 and not fused:
         _merge_splits_kernel[(b, hq)](
             part_out, part_lse, out, query_start_loc if mixed else seq_lens, num_splits,
