@@ -49,43 +49,44 @@ def kv_bytes(seq_lens):
 
 def bench_decode(sweep):
     scale = D ** -0.5
-    for b in (1, 64, 256):
-        for ctx in (512, 2048):
-            q, k, v, kc, vc, meta = random_paged_batch([1] * b, [ctx] * b, BS, HQ, HKV, D, DT,
-                                                       DEVICE)
-            backend = kernels.TritonAttentionBackend()
-            ref_backend = TorchAttentionBackend()
-            splits = kernels.choose_num_splits(b, HKV, ctx, num_sms(torch.cuda.current_device()))
-            out = torch.empty_like(q)
-            part_out = torch.empty(b * HQ * splits * D, device=DEVICE)
-            part_lse = torch.empty(b * HQ * splits, device=DEVICE)
-            counters = torch.zeros(b * HKV, dtype=torch.int32, device=DEVICE)
+    # W2 128/128's decode steps: 512 rows at ~192 tokens of context
+    for b, ctx in ((1, 512), (1, 2048), (64, 512), (64, 2048), (256, 512), (256, 2048),
+                   (512, 192)):
+        q, k, v, kc, vc, meta = random_paged_batch([1] * b, [ctx] * b, BS, HQ, HKV, D, DT,
+                                                   DEVICE)
+        backend = kernels.TritonAttentionBackend()
+        ref_backend = TorchAttentionBackend()
+        splits = kernels.choose_num_splits(b, HKV, ctx, num_sms(torch.cuda.current_device()))
+        out = torch.empty_like(q)
+        part_out = torch.empty(b * HQ * splits * D, device=DEVICE)
+        part_lse = torch.empty(b * HQ * splits, device=DEVICE)
+        counters = torch.zeros(b * HKV, dtype=torch.int32, device=DEVICE)
 
-            def attn(cfg=None, s=splits):
-                kernels.paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens,
-                                               scale, out, s, part_out, part_lse, cfg,
-                                               counters=counters)
-            t = bench(attn)
-            t_fwd = bench(lambda: backend.forward(q, k, v, kc, vc, meta, scale))
-            t_ref = bench(lambda: ref_backend.forward(q, k, v, kc, vc, meta, scale))
-            gbs = (kv_bytes([ctx] * b) + 2 * q.numel() * 2) / (t * 1e-3)
-            row(f"decode b={b} ctx={ctx} splits={splits}", t, t_ref,
-                f"{gbs / 1e9:7.0f} GB/s ({100 * gbs / PEAK_BW:4.1f}% of 4.27 TB/s); "
-                f"backend fwd {t_fwd * 1e3:.1f} us")
-            if sweep:
-                best = None
-                for bn in (32, 64, 128):
-                    for st in (1, 2, 3):
-                        for nw in (2, 4):
-                            cfg = dict(BLOCK_N=bn, num_stages=st, num_warps=nw)
-                            for s in sorted({1, splits, max(1, splits // 2), min(32, splits * 2)}):
-                                if s > splits and part_out.numel() < b * HQ * s * D:
-                                    continue
-                                tt = bench(lambda: attn(cfg, s))
-                                if best is None or tt < best[0]:
-                                    best = (tt, cfg, s)
-                print(f"    sweep best {best[0] * 1e3:.1f} us with {best[1]} splits={best[2]} "
-                      f"(default {decode_config(D)})")
+        def attn(cfg=None, s=splits):
+            kernels.paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens,
+                                           scale, out, s, part_out, part_lse, cfg,
+                                           counters=counters)
+        t = bench(attn)
+        t_fwd = bench(lambda: backend.forward(q, k, v, kc, vc, meta, scale))
+        t_ref = bench(lambda: ref_backend.forward(q, k, v, kc, vc, meta, scale))
+        gbs = (kv_bytes([ctx] * b) + 2 * q.numel() * 2) / (t * 1e-3)
+        row(f"decode b={b} ctx={ctx} splits={splits}", t, t_ref,
+            f"{gbs / 1e9:7.0f} GB/s ({100 * gbs / PEAK_BW:4.1f}% of 4.27 TB/s); "
+            f"backend fwd {t_fwd * 1e3:.1f} us")
+        if sweep:
+            best = None
+            for bn in (32, 64, 128):
+                for st in (1, 2, 3):
+                    for nw in (2, 4):
+                        cfg = dict(BLOCK_N=bn, num_stages=st, num_warps=nw)
+                        for s in sorted({1, splits, max(1, splits // 2), min(32, splits * 2)}):
+                            if s > splits and part_out.numel() < b * HQ * s * D:
+                                continue
+                            tt = bench(lambda: attn(cfg, s))
+                            if best is None or tt < best[0]:
+                                best = (tt, cfg, s)
+            print(f"    sweep best {best[0] * 1e3:.1f} us with {best[1]} splits={best[2]} "
+                  f"(default {decode_config(D)})")
 
 
 def bench_prefill(sweep):

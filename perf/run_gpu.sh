@@ -62,6 +62,8 @@ for s in $stages; do
     w3) run w3 120 python3 perf/w3_mix.py ;;
     w5) run w5 300 python3 perf/w5_vs_transformers.py ;;
     bench) run bench 90 python3 perf/kernels_bench.py ;;
+    # the same with a tile sweep per shape (decode: W2's 512 rows x 192 tokens included)
+    benchsweep) run benchsweep 200 python3 perf/kernels_bench.py --sweep ;;
     # cuBLAS at llama-3.1-8b's projection shapes across row counts (W2's GEMM bound), ~30 s
     gemm) run gemm 90 python3 perf/gemm_bench.py ;;
     # issue 8, on a kind with >= 2 GPUs: TP=2 == TP=1 greedy (4 archs), W1/W2 at TP=1 and TP=2
