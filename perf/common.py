@@ -75,7 +75,7 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
 
 
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
-           "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, ropekernel, mergekernel, "
+           "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, ropekernel, "
            "eagerprefill, nopdl, cublas (perf/common.run_variants)")
 
 
@@ -86,7 +86,7 @@ def run_variants(names: str, make_llm, body) -> None:
     (that prefetch budget instead of the default), pfplain<MB> (only matmuls without a
     prologue prefetch, that much), mbt<N> (make_llm(max_num_batched_tokens=N)),
     ropekernel (a decode step's rotary + KV write in their own kernel, not in the attention
-    kernel), mergekernel (split-KV decode merged by a second kernel, not by its last program),
+    kernel),
     eagerprefill (no CUDA graphs for single-sequence prefills),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". One engine is alive at a time: body must not keep
@@ -105,10 +105,9 @@ def run_variants(names: str, make_llm, body) -> None:
         return next((k for p, k in (("pfplain", "pf"), ("pf", "pf"), ("mbt", "mbt"))
                      if v.startswith(p) and v[len(p):].isdigit()), v)
     for name in variants:
-        if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "ropekernel", "mergekernel",
-                              "eagerprefill"):
+        if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "ropekernel", "eagerprefill"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, mbt<N>, "
-                             "ropekernel, mergekernel, eagerprefill, nopdl or cublas")
+                             "ropekernel, eagerprefill, nopdl or cublas")
     steps, active = [("default", None)], []
     for v in variants:
         active = [a for a in active if kind(a) != kind(v) or kind(v) == v] + [v]
@@ -121,8 +120,6 @@ def run_variants(names: str, make_llm, body) -> None:
             gemv.ENABLED = False
         elif switch == "ropekernel":
             decode.ROPE_IN_DECODE = False
-        elif switch == "mergekernel":
-            decode.FUSED_MERGE = False
         elif switch == "eagerprefill":
             cuda_graph.PREFILL_GRAPHS = False
         elif switch == "noprefetch":

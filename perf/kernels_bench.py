@@ -60,12 +60,10 @@ def bench_decode(sweep):
         out = torch.empty_like(q)
         part_out = torch.empty(b * HQ * splits * D, device=DEVICE)
         part_lse = torch.empty(b * HQ * splits, device=DEVICE)
-        counters = torch.zeros(b * HKV, dtype=torch.int32, device=DEVICE)
 
         def attn(cfg=None, s=splits):
             kernels.paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens,
-                                           scale, out, s, part_out, part_lse, cfg,
-                                           counters=counters)
+                                           scale, out, s, part_out, part_lse, cfg)
         t = bench(attn)
         t_fwd = bench(lambda: backend.forward(q, k, v, kc, vc, meta, scale))
         t_ref = bench(lambda: ref_backend.forward(q, k, v, kc, vc, meta, scale))

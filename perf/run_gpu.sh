@@ -22,9 +22,9 @@ for s in $stages; do
     kernelsnew) run kernelsnew 120 python3 -m pytest -q tests/test_kernels.py -k "skinny or compiles or argmax or layers_run or rotary or dispatch" ;;
     # the skinny GEMM's tests (every tile, the tensor-core ones included) and the no-compile test
     skinny) run skinny 300 python3 -m pytest -q tests/test_kernels.py -k "skinny or compiles" ;;
-    # decode / prefill attention parity (the fused split merge), the single-sequence prefill
-    # graphs against eager steps, and the no-compile test
-    attn) run attn 180 python3 -m pytest -q tests/test_kernels.py -k "decode or prefill or compiles or rope" ;;
+    # the decode kernel's rotary + KV write, the single-sequence prefill graphs against eager
+    # steps, decode parity and the no-compile test (fresh compiles make it ~4 min)
+    attn) run attn 300 python3 -m pytest -q tests/test_kernels.py -k "rope_store or backend_rope or prefill_graph or compiles or decode_matches" ;;
     correctness) run correctness 240 python3 perf/gpu_correctness.py ;;
     w1) run w1 150 python3 perf/w1_decode.py --profile ;;
     # W1, then in the same process (same tile choices) without PDL and without the skinny GEMM
@@ -38,9 +38,9 @@ for s in $stages; do
     # against the default (8 MB in every skinny matmul)
     w1pfplain) run w1pfplain 220 python3 perf/w1_decode.py \
                  --ab pfplain16,pfplain32 ;;
-    # the default against rotary + KV write in their own kernel, then also the separate
-    # split-merge kernel, then also eager single-sequence prefills (TTFT), in one process
-    w1graph) run w1graph 330 python3 perf/w1_decode.py --profile --ab ropekernel,mergekernel,eagerprefill ;;
+    # the default against rotary + KV write in their own kernel, then also eager
+    # single-sequence prefills (TTFT), in one process
+    w1graph) run w1graph 300 python3 perf/w1_decode.py --profile --ab ropekernel,eagerprefill ;;
     w1eager) run w1eager 120 python3 perf/w1_decode.py --enforce-eager ;;
     w1sync) PERF_ASYNC=0 run w1sync 120 python3 perf/w1_decode.py ;;
     w1cublas) PAGEDBACKEND_SKINNY_GEMM=0 run w1cublas 120 python3 perf/w1_decode.py ;;

@@ -126,45 +126,14 @@ def test_decode_dtypes_and_padded_rows(dtype):
     write_kv_cache(k, v, kc_ref, vc_ref, meta.slot_mapping)
     ref = paged_attention_ref(q[:2], kc_ref, vc_ref, meta, d ** -0.5)
     kernels.store_kv_cache(k, v, kc, vc, meta.slot_mapping)
-    for splits, fused in ((1, True), (2, True), (2, False)):
+    for splits in (1, 2):
         out = torch.full_like(q, float("nan"))
         kernels.paged_decode_attention(
             q, kc, vc, meta.block_tables, meta.seq_lens, d ** -0.5, out, splits,
             torch.empty(3 * hq * splits * d, device=DEV), torch.empty(3 * hq * splits, device=DEV),
-            None if CUDA else dict(BLOCK_N=16), fused_merge=fused)
+            None if CUDA else dict(BLOCK_N=16))
         assert rel_err(out[:2], ref) < REL_TOL[dtype]
         assert torch.equal(out[2], torch.zeros_like(out[2]))
-
-
-@pytest.mark.parametrize("mixed", [False, True])
-def test_decode_fused_merge_matches_merge_kernel(mixed):
-    # The split programs' own merge (the last one to finish, chosen by an atomic counter) gives
-    # what the separate merge kernel gives, leaves the counters at zero for the next call, and
-    # stays right when the same scratch is used again (a CUDA-graph replay does exactly that).
-    # mixed: the decode rows of a chunked-prefill batch (the other rows are not touched).
-    hq, hkv, d = SHAPES[4]
-    q_lens, seq_lens = ([1, 5, 1], [70, 40, 33]) if mixed else ([1, 1, 1], [70, 9, 33])
-    q, k, v, kc, vc, meta = make_batch(q_lens, seq_lens, 4, hq, hkv, d, torch.bfloat16)
-    kernels.store_kv_cache(k, v, kc, vc, meta.slot_mapping)
-    splits, b = 3, len(seq_lens)
-    cfg = None if CUDA else dict(BLOCK_N=16, num_warps=4, num_stages=1)
-    qsl = meta.query_start_loc if mixed else None
-    rows = meta.query_start_loc[:-1].long() if mixed else torch.arange(b, device=DEV)
-    part = (torch.empty(b * hq * splits * d, device=DEV), torch.empty(b * hq * splits, device=DEV))
-    counters = torch.zeros(b * hkv, dtype=torch.int32, device=DEV)
-    outs = []
-    for fused in (False, True, True):
-        out = torch.full_like(q, float("nan"))
-        kernels.paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, d ** -0.5,
-                                       out, splits, *part, cfg, qsl, counters, fused_merge=fused)
-        assert torch.equal(counters, torch.zeros_like(counters))
-        outs.append(out)
-    single = torch.tensor(q_lens, device=DEV) == 1
-    for out in outs[1:]:
-        assert not torch.isnan(out[rows[single]]).any()
-        assert torch.allclose(out[rows[single]], outs[0][rows[single]], rtol=1e-3, atol=1e-3)
-    if mixed:   # the prefill sequence's rows are left alone
-        assert torch.isnan(outs[1][1:6]).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -22,7 +22,7 @@ class TritonAttentionBackend:
     Decode is CUDA-graph safe: it reads only host fields of meta (shapes, max_seq_len), launches
     grids that depend on the batch size and the split count alone, and uses split-KV scratch
     allocated once per (device, Hq, Hkv, D) at the first call (size bounded over every batch
-    size): the partial outputs, their log-sum-exps and the merge counters (zero between calls).
+    size): the partial outputs and their log-sum-exps.
     The split count follows meta.max_seq_len, so capture graphs with meta.max_seq_len set to the
     longest context they will replay (e.g. max_model_len); any shorter context stays correct.
     One instance can serve every layer: the scratch is reused stream-ordered.
@@ -33,7 +33,7 @@ class TritonAttentionBackend:
         self.num_splits = num_splits     # fixed split count (tests, tuning); None = heuristic
         self.decode_config = decode_config      # tile overrides, see decode.decode_config
         self.prefill_config = prefill_config    # and prefill.prefill_config
-        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _split_scratch(self, q: torch.Tensor, hkv: int, splits: int, b: int):
         hq, d = q.shape[1], q.shape[2]
@@ -46,10 +46,8 @@ class TritonAttentionBackend:
                     and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("split-KV scratch must grow during CUDA graph capture; "
                                    "run an eager step of the largest batch first")
-            # rows >= b for any batch that splits, so rows * hkv counters cover it
             buf = (torch.empty(rows * hq * d, dtype=torch.float32, device=q.device),
-                   torch.empty(rows * hq, dtype=torch.float32, device=q.device),
-                   torch.zeros(rows * hkv, dtype=torch.int32, device=q.device))
+                   torch.empty(rows * hq, dtype=torch.float32, device=q.device))
             self._scratch[key] = buf
         return buf
 
@@ -77,18 +75,17 @@ class TritonAttentionBackend:
             hkv = k_cache.shape[2]
             splits = self.num_splits or choose_num_splits(
                 b, hkv, meta.max_seq_len, num_sms(q.device.index))
-            part_out = part_lse = counters = None
+            part_out = part_lse = None
             if splits > 1:
-                part_out, part_lse, counters = self._split_scratch(q, hkv, splits, b)
+                part_out, part_lse = self._split_scratch(q, hkv, splits, b)
             if decode_only:
                 paged_decode_attention(q[:b], k_cache, v_cache, meta.block_tables,
                                        meta.seq_lens, scale, out[:b], splits, part_out,
-                                       part_lse, self.decode_config, counters=counters,
-                                       rope_store=rope_store)
+                                       part_lse, self.decode_config, rope_store=rope_store)
             else:
                 paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        scale, out, splits, part_out, part_lse,
-                                       self.decode_config, meta.query_start_loc, counters)
+                                       self.decode_config, meta.query_start_loc)
         if not decode_only:
             paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, scale, out, self.prefill_config,

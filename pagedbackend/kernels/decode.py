@@ -9,28 +9,26 @@ decode step can be captured in a CUDA graph. The split count is a runtime argume
 split / not split is compiled in), so batches of every size share two compiled variants instead
 of compiling one per split count in the middle of serving.
 
-With splits, the last of a (sequence, kv head)'s programs to finish merges their partial
-outputs (an atomic counter per pair says which one is last, and puts itself back to zero), so
-no second kernel is launched: at batch 1 a separate merge kernel was one of seven launches per
-layer. PAGEDBACKEND_FUSED_MERGE=0 launches the separate merge kernel instead (A/B).
+The merge stays a kernel of its own: a version where the last split program of each
+(sequence, kv head) merged the partials (an atomic counter) made W1 4% slower on the H200 (the
+merge became a serial tail of the attention kernel, and every program paid a GPU-wide fence).
 
 In a decode step the kernel also applies the rotary embedding to q and the new k and writes
 the new k and v into the cache (rope_store), which was a kernel of its own before it.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
-
-import os
 
 from pagedbackend.kernels.common import dot_precision, mma, next_pow2, pdl_enter, pdl_launch
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 128
-FUSED_MERGE = os.environ.get("PAGEDBACKEND_FUSED_MERGE", "1") != "0"
 # The backend hands a decode step's rotary embedding and KV write to this kernel (one launch
 # per layer fewer); PAGEDBACKEND_ROPE_IN_DECODE=0 keeps them in rotary_store_kv (A/B).
 ROPE_IN_DECODE = os.environ.get("PAGEDBACKEND_ROPE_IN_DECODE", "1") != "0"
@@ -63,26 +61,6 @@ def decode_config(head_dim: int) -> dict:
     if head_dim <= 128:
         return dict(BLOCK_N=64, num_warps=4, num_stages=2)
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
-
-
-@triton.jit
-def _merge_head(part_out_ptr, part_lse_ptr, out_ptr, row0, num_splits,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One query head's output from its num_splits partials (rows row0 ..): each partial is
-    weighted by exp2(its log-sum-exp - the largest); empty splits (-inf) weigh 0. The partials
-    bypass L1 (.cg): other programs of this launch wrote them."""
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    s_mask = s < num_splits
-    lse = tl.load(part_lse_ptr + row0 + s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    o = tl.load(part_out_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :],
-                mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")
-    total = tl.sum(w, 0)
-    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + d, res.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
@@ -119,16 +97,15 @@ def _rope_and_store(q, q_at, k_new, v_new, pos, cos_sin_ptr, stride_c, slot, k_b
 # multiple of 16 would compile a variant of its own in the middle of serving.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                   query_start_loc_ptr, out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
+                   query_start_loc_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                    new_k_ptr, new_v_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
                    scale_log2, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                    stride_bt, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c,
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr,
-                   BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, MIXED: tl.constexpr,
-                   ROPE: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                   MIXED: tl.constexpr, ROPE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -200,19 +177,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
-        if FUSED_MERGE:
-            # Every thread's stores come before the count (the barrier; the atomic releases
-            # them GPU-wide), and the last program's reads after it (acquire).
-            tl.debug_barrier()
-            counter = counters_ptr + seq * (NUM_Q_HEADS // GROUP) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-                tl.atomic_xchg(counter, 0)          # ready for the next launch or replay
-                for h in tl.static_range(GROUP):
-                    head = kvh * GROUP + h
-                    _merge_head(part_out_ptr, part_lse_ptr,
-                                out_ptr + q_row * stride_ot + head * stride_oh,
-                                (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits,
-                                num_splits, HEAD_DIM, BLOCK_D, BLOCK_S)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -229,8 +193,20 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_pt
         q_row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
         if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
             return
-    _merge_head(part_out_ptr, part_lse_ptr, out_ptr + q_row * stride_ot + head * stride_oh,
-                (seq * NUM_Q_HEADS + head) * num_splits, num_splits, HEAD_DIM, BLOCK_D, BLOCK_S)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    row = (seq * NUM_Q_HEADS + head) * num_splits + s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)                                            # 0 for empty splits
+    o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + d, res.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -240,19 +216,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            part_lse: torch.Tensor | None = None,
                            config: dict | None = None,
                            query_start_loc: torch.Tensor | None = None,
-                           counters: torch.Tensor | None = None,
-                           fused_merge: bool | None = None,
                            rope_store: tuple | None = None) -> torch.Tensor:
     """q/out [B, Hq, D] (row b is sequence b's single query); caches [N, block_size, Hkv, D].
 
     With query_start_loc (a mixed batch, q/out [T, Hq, D]) only sequences with exactly one query
     are computed, at row query_start_loc[b]; the others are left to the prefill kernel.
 
-    With num_splits > 1, part_out (>= B*Hq*num_splits*D fp32), part_lse (>= B*Hq*num_splits
-    fp32) and counters (>= B*Hkv int32, all zero; they are zero again after the call) are the
-    caller's scratch, so nothing here allocates (counters=None: allocated here).
-    fused_merge (default FUSED_MERGE): the split programs merge their partials themselves,
-    else a second kernel does.
+    With num_splits > 1, part_out (>= B*Hq*num_splits*D fp32) and part_lse (>= B*Hq*num_splits
+    fp32) are the caller's scratch, so nothing here allocates.
 
     rope_store = (k, v, positions, cos_sin_cache, slot_mapping) (not with query_start_loc): q
     and k [B, Hkv, D] are this step's, before the rotary embedding (full head_dim, NeoX); the
@@ -269,13 +240,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = hq // hkv
     cfg = {**decode_config(d), **(config or {})}
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits={num_splits} must be in [1, {MAX_SPLITS}]"
-    fused = FUSED_MERGE if fused_merge is None else fused_merge
     if num_splits > 1:
         assert part_out is not None and part_lse is not None
         assert part_out.numel() >= b * hq * num_splits * d and part_lse.numel() >= b * hq * num_splits
-        if counters is None:
-            counters = torch.zeros(b * hkv, dtype=torch.int32, device=q.device)
-        assert counters.dtype == torch.int32 and counters.numel() >= b * hkv
     else:
         part_out = part_lse = out           # unused by the kernel
     if rope_store is not None:
@@ -290,7 +257,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         rope_args, rope_strides = (seq_lens,) * 5, (0,) * 5
     _decode_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc if mixed else seq_lens,
-        out, part_out, part_lse, counters if counters is not None else seq_lens, *rope_args,
+        out, part_out, part_lse, *rope_args,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -298,11 +265,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), *rope_strides,
         NUM_Q_HEADS=hq, GROUP=group, BLOCK_G=next_pow2(group, 16),
         HEAD_DIM=d, BLOCK_D=next_pow2(d, 16), BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, FUSED_MERGE=num_splits > 1 and fused,
-        BLOCK_S=next_pow2(MAX_SPLITS, 2), PRECISION=dot_precision(q.dtype),
+        BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, PRECISION=dot_precision(q.dtype),
         MIXED=mixed, ROPE=rope_store is not None, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_launch(q))
-    if num_splits > 1 and not fused:
+    if num_splits > 1:
         _merge_splits_kernel[(b, hq)](
             part_out, part_lse, out, query_start_loc if mixed else seq_lens, num_splits,
             out.stride(0), out.stride(1),
