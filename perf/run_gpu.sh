@@ -14,6 +14,7 @@ run() {  # name seconds command...
   timeout "$secs" "$@" > "$out/$name.log" 2>&1; local rc=$?
   tail -n 25 "$out/$name.log"; echo "=== $name rc=$rc"
 }
+base_py=$(PATH=${PATH#/tmp/tsenv/bin:} command -v python3)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 for s in $stages; do
   case $s in
@@ -25,7 +26,8 @@ for s in $stages; do
     # the decode kernel's rotary + KV write, the single-sequence prefill graphs against eager
     # steps, decode parity and the no-compile test (fresh compiles make it ~4 min)
     attn) run attn 300 python3 -m pytest -q tests/test_kernels.py -k "rope_store or backend_rope or prefill_graph or compiles or decode_matches" ;;
-    correctness) run correctness 240 python3 perf/gpu_correctness.py ;;
+    # with the image's own python: transformers does not import under setup.sh's numpy 1.26
+    correctness) run correctness 240 "$base_py" perf/gpu_correctness.py ;;
     w1) run w1 150 python3 perf/w1_decode.py --profile ;;
     # W1, then in the same process (same tile choices) without PDL and without the skinny GEMM
     w1ab) run w1ab 300 python3 perf/w1_decode.py --profile --ab nopdl,cublas ;;
