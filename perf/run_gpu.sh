@@ -28,6 +28,8 @@ for s in $stages; do
     attn) run attn 300 python3 -m pytest -q tests/test_kernels.py -k "rope_store or backend_rope or prefill_graph or compiles or decode_matches" ;;
     # with the image's own python: transformers does not import under setup.sh's numpy 1.26
     correctness) run correctness 240 "$base_py" perf/gpu_correctness.py ;;
+    # fp32 only (where all 256 greedy tokens must agree with transformers), ~2 min
+    correctness32) run correctness32 200 "$base_py" perf/gpu_correctness.py --dtypes float32 ;;
     w1) run w1 150 python3 perf/w1_decode.py --profile ;;
     # W1, then in the same process (same tile choices) without PDL and without the skinny GEMM
     w1ab) run w1ab 300 python3 perf/w1_decode.py --profile --ab nopdl,cublas ;;
