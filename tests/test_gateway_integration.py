@@ -310,7 +310,10 @@ def test_disconnect_frees_kv_blocks(gateway, stream):
                 lines = r.iter_lines()
                 for _ in range(6):
                     next(lines)
-                assert kv_usage(gateway["metrics"]) > 0.0
+                # The gauge is the engine loop's stats snapshot, taken every 0.5 s and published
+                # by the sender thread, so it can still read 0 here: poll it.
+                assert wait_for(lambda: kv_usage(gateway["metrics"]) > 0.0, timeout=15), \
+                    "KV cache usage never rose above 0 during the request"
         else:   # give up on a long non-streamed request
             with pytest.raises(httpx.ReadTimeout):
                 http.post(gateway["base"] + "/v1/completions", json=body, headers=headers,
