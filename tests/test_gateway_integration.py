@@ -293,10 +293,7 @@ def wait_for(fn, timeout: float = 30.0, period: float = 0.2) -> bool:
     return False
 
 
-@pytest.mark.parametrize("stream", [True, pytest.param(False, marks=pytest.mark.skip(
-    reason="flaky: in one clean-clone CI run the non-streamed request's blocks were still held "
-           "20 s after its client timed out (passes in dev runs); cause not found yet — see the "
-           "closing note of 2026-12-02"))])
+@pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_frees_kv_blocks(gateway, stream):
     assert wait_for(lambda: kv_usage(gateway["metrics"]) == 0.0), "KV cache busy before the test"
     body = {"model": "smollm2", "prompt": "Tell me a very long story. " * 20, "n": 2,

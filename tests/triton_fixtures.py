@@ -2,12 +2,15 @@
 (so the suite runs beside a `make serve`), with helpers to read /metrics and call HTTP."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import shutil
 import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable, Iterator, Mapping, Optional
 
 import pytest
 
@@ -19,24 +22,38 @@ from pagedbackend.serving.launcher import TritonServer, free_port, materialize_r
 TEST_ENGINE_SETTINGS = {"max_model_len": "1024", "max_num_seqs": "32", "dtype": "float32"}
 
 
+@contextlib.contextmanager
+def running_server(model_dir: str, settings: Mapping[str, str] = TEST_ENGINE_SETTINGS,
+                   edit: Optional[Callable[[Path], None]] = None) -> Iterator[TritonServer]:
+    """tritonserver on free ports, in a temporary folder removed when it stops; `edit` may
+    change the materialized repository before the start."""
+    work = Path(tempfile.mkdtemp(prefix="pagedbackend-triton-test-"))
+    try:
+        repo = materialize_repository(work / "repo", {"model": model_dir, **settings})
+        if edit is not None:
+            edit(repo)
+        server = TritonServer(repo, work, free_port(), free_port(), free_port())
+        with open(work / "tritonserver.log", "w") as log:
+            server.start(stdout=log, stderr=log)
+            try:
+                server.wait_ready(timeout=300)
+            except Exception:
+                server.stop()
+                log.flush()
+                tail = (work / "tritonserver.log").read_text()[-4000:]
+                pytest.fail(f"tritonserver did not start:\n{tail}")
+            try:
+                yield server
+            finally:
+                server.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def triton(smollm2_dir):
-    work = Path(tempfile.mkdtemp(prefix="pagedbackend-triton-test-"))
-    repo = materialize_repository(work / "repo", {"model": smollm2_dir, **TEST_ENGINE_SETTINGS})
-    server = TritonServer(repo, work, free_port(), free_port(), free_port())
-    log = open(work / "tritonserver.log", "w")
-    server.start(stdout=log, stderr=log)
-    try:
-        server.wait_ready(timeout=300)
-    except Exception:
-        server.stop()
-        log.close()
-        tail = (work / "tritonserver.log").read_text()[-4000:]
-        pytest.fail(f"tritonserver did not start:\n{tail}")
-    server.log_path = work / "tritonserver.log"
-    yield server
-    server.stop()
-    log.close()
+    with running_server(smollm2_dir) as server:
+        yield server
 
 
 def metrics(server) -> str:

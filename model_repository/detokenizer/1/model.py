@@ -18,7 +18,6 @@ if str(ROOT) not in sys.path:
 from pagedbackend.serving.settings import parameters_of, resolve_path  # noqa: E402
 
 PASS_THROUGH = (("engine_finish_reason", "finish_reason"),
-                ("engine_num_input_tokens", "num_input_tokens"),
                 ("engine_num_output_tokens", "num_output_tokens"))
 
 

@@ -1,15 +1,14 @@
-"""Triton `stream_guard` model: pass-through between the engine and the detokenizer that turns a
-client's cancel into an engine abort. Triton 2.51 cancels only ensemble steps scheduled after the
-cancel, so the running (decoupled) engine step never sees it; the next response's guard step
-does, and sends the engine a `stop` request naming the engine's request_key."""
+"""Triton `stream_guard` model: turns a client's cancel into an engine abort. Triton 2.51 cancels
+only the ensemble steps scheduled after a cancel, so the running (decoupled) engine step never sees
+it; the next response's guard step does, and sends the engine a `stop` request naming the
+engine's request_key. The guard runs beside the detokenizer, scheduled just before it (see
+ensemble/config.pbtxt), and only passes `num_input_tokens` on: a branch of the ensemble must
+produce one of its tensors."""
 import json
 from collections import OrderedDict
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-
-PASS_THROUGH = ("output_ids", "context_ids", "engine_text", "engine_text_valid", "prefix_text",
-                "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs")
 
 
 class TritonPythonModel:
@@ -26,9 +25,9 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
                     "the request was cancelled", pb_utils.TritonError.CANCELLED)))
                 continue
+            n = pb_utils.get_input_tensor_by_name(request, "num_input_tokens").as_numpy()
             responses.append(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor(name, pb_utils.get_input_tensor_by_name(request, name).as_numpy())
-                for name in PASS_THROUGH]))
+                pb_utils.Tensor("num_input_tokens", n)]))
         return responses
 
     def _stop(self, request):
