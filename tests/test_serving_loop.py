@@ -183,6 +183,27 @@ def test_stop_by_key_cancels_and_answers_the_stop_request():
     assert len(stopper.items) == 1 and stopper.items[0].final and stopper.items[0].chunk is None
 
 
+def test_a_cancel_that_overtakes_its_request_waits_for_it():
+    # stop() finds a request's key as soon as submit() has registered it, which can be before
+    # the loop takes the request from its inbox: the cancel must still reach the engine. The
+    # loop is not started; its rounds are run by hand in the order that race produces.
+    engine = FakeEngine()
+    loop = EngineLoop(engine, lambda handle, item: None, log=lambda m: None)
+    loop.submit(Sender(), req(max_tokens=100), key="k")
+    loop.stop("k")
+    loop._take_cancels()                # the request is not in the engine yet
+    loop._take_inbox(block=False)
+    loop._take_cancels()
+    assert engine.aborted == list(engine.reqs)
+    # a cancel whose request was refused (and so forgotten) is not kept
+    loop.submit(Sender(), req(prompt="bad"), key="b")
+    loop.stop("b")
+    loop._take_cancels()
+    loop._take_inbox(block=False)
+    loop._take_cancels()
+    assert loop._cancels.empty() and len(engine.aborted) == 1
+
+
 def test_engine_death_fails_open_and_new_requests_once():
     dead = threading.Event()
     loop = run_loop(FakeEngine(fail_at=3), on_dead=dead.set)

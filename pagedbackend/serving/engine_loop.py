@@ -275,12 +275,20 @@ class EngineLoop:
                                 arrival=arrival)
 
     def _take_cancels(self) -> None:
-        ids = []
+        ids, early = [], []
         for rid in take_batch(self._cancels, 0)[0]:
             live = self._live.get(rid)
-            if live is not None and not live.cancelled:
+            if live is None:
+                # stop() and the poll can see a request before this loop has taken it from
+                # the inbox: keep its cancel for the next round (dropped once it has finished)
+                with self._lock:
+                    if rid in self._handles:
+                        early.append(rid)
+            elif not live.cancelled:
                 live.cancelled = True
                 ids.append(rid)
+        for rid in early:
+            self._cancels.put(rid)
         if ids:
             self.engine.abort(ids)      # frees KV blocks now; final output on the next step
 
