@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -23,6 +23,18 @@ logger = logging.getLogger("pagedbackend")
 
 PREFILL_GRAPHS = os.environ.get("PAGEDBACKEND_PREFILL_GRAPHS", "1") != "0"
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+def capture_graph(forward: Callable[[], torch.Tensor], device: torch.device, pool: Any
+                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, Any]:
+    """forward() once eagerly (warm-up: tuning, compiles, scratch, allocations), then captured
+    into a graph on `pool` (None: a new one); returns (graph, its output, the pool)."""
+    forward()
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = forward()
+    return g, out, pool if pool is not None else g.pool()
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -67,14 +79,8 @@ class DecodeGraphs:
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         for bs in reversed(self.buckets):
-            self._forward(bs)                       # warm-up: autotune, scratch, allocations
-            torch.cuda.synchronize(self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self.logits[bs] = self._forward(bs)
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[bs] = g
+            self.graphs[bs], self.logits[bs], self.pool = capture_graph(
+                lambda: self._forward(bs), self.device, self.pool)
         torch.cuda.synchronize(self.device)
         from pagedbackend.kernels.common import pdl_active
         logger.info("captured %d decode CUDA graphs (batch sizes %s; programmatic dependent "
@@ -153,14 +159,8 @@ class PrefillGraphs:
             self.query_start_loc[1] = t
             self.seq_lens.fill_(t)
             self.logits_index.fill_(t - 1)
-            self._forward(t)                        # warm-up: tuning, compiles, allocations
-            torch.cuda.synchronize(self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self.logits[t] = self._forward(t)
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[t] = g
+            self.graphs[t], self.logits[t], self.pool = capture_graph(
+                lambda: self._forward(t), self.device, self.pool)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d single-sequence prefill CUDA graphs (token counts %s)",
                     len(self.graphs), self.buckets)
