@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedbackend.kernels.cache import slot_address
 from pagedbackend.kernels.common import dot_precision, mma, next_pow2, pdl_enter, pdl_launch
 
 LOG2E = 1.4426950408889634
@@ -83,10 +84,9 @@ def _rope_and_store(q, q_at, k_new, v_new, pos, cos_sin_ptr, stride_c, slot, k_b
     if holds_new & (slot >= 0):
         k = tl.load(k_new + d, mask=d_mask, other=0.0).to(tl.float32)
         k_p = tl.load(k_new + partner, mask=d_mask, other=0.0).to(tl.float32)
-        blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-        kc = k_base + blk * stride_kb + off * stride_ks
+        kc = slot_address(k_base, slot, stride_kb, stride_ks, BLOCK_SIZE)
         tl.store(kc + d, (k * cos + sign * k_p * sin).to(kc.dtype.element_ty), mask=d_mask)
-        vc = v_base + blk * stride_vb + off * stride_vs
+        vc = slot_address(v_base, slot, stride_vb, stride_vs, BLOCK_SIZE)
         tl.store(vc + d, tl.load(v_new + d, mask=d_mask, other=0.0).to(vc.dtype.element_ty),
                  mask=d_mask)
     tl.debug_barrier()          # the program's own stores before its loads of that position
