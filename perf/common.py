@@ -75,7 +75,7 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
 
 
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
-           "cumulative: noprefetch, pf<MB>, pfplain<MB>, attnpf<MB>, mbt<N>, ropekernel, "
+           "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, ropekernel, "
            "eagerprefill, nopdl, cublas (perf/common.run_variants)")
 
 
@@ -84,12 +84,11 @@ def run_variants(names: str, make_llm, body) -> None:
     with a fresh engine from make_llm() for "default", then for each comma-separated variant
     in names, cumulative: noprefetch (no weight prefetch into L2 before the PDL wait), pf<MB>
     (that prefetch budget instead of the default), pfplain<MB> (only matmuls without a
-    prologue prefetch, that much), attnpf<MB> (the decode attention kernel prefetches that
-    much of o_proj's weight; attnpf0: none), mbt<N> (make_llm(max_num_batched_tokens=N)),
+    prologue prefetch, that much), mbt<N> (make_llm(max_num_batched_tokens=N)),
     ropekernel (a decode step's rotary + KV write in their own kernel, not in the attention
     kernel),
     eagerprefill (no CUDA graphs for single-sequence prefills),
-    nopdl (plain launches), cublas (no skinny GEMM); a pf, attnpf or mbt replaces an earlier one of its
+    nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". One engine is alive at a time: body must not keep
     it."""
     import gc
@@ -103,14 +102,11 @@ def run_variants(names: str, make_llm, body) -> None:
     def kind(v):        # noprefetch is pf0; pfplain<MB> is a pf too
         if v == "noprefetch":
             return "pf"
-        return next((k for p, k in (("pfplain", "pf"), ("pf", "pf"), ("attnpf", "attnpf"),
-                                    ("mbt", "mbt"))
+        return next((k for p, k in (("pfplain", "pf"), ("pf", "pf"), ("mbt", "mbt"))
                      if v.startswith(p) and v[len(p):].isdigit()), v)
     for name in variants:
-        if kind(name) not in ("nopdl", "cublas", "pf", "attnpf", "mbt", "ropekernel",
-                              "eagerprefill"):
-            raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, "
-                             "attnpf<MB>, mbt<N>, "
+        if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "ropekernel", "eagerprefill"):
+            raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, mbt<N>, "
                              "ropekernel, eagerprefill, nopdl or cublas")
     steps, active = [("default", None)], []
     for v in variants:
@@ -130,8 +126,6 @@ def run_variants(names: str, make_llm, body) -> None:
             common.PREFETCH_BYTES, common.PREFETCH_PLAIN_BYTES = 0, None
         elif switch is not None and switch.startswith("pfplain"):
             common.PREFETCH_BYTES, common.PREFETCH_PLAIN_BYTES = 0, int(switch[7:]) << 20
-        elif switch is not None and kind(switch) == "attnpf":
-            decode.ATTN_PREFETCH_BYTES = int(switch[6:]) << 20
         elif switch is not None and kind(switch) == "pf":
             common.PREFETCH_BYTES, common.PREFETCH_PLAIN_BYTES = int(switch[2:]) << 20, None
         elif switch is not None:

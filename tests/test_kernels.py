@@ -167,29 +167,6 @@ def test_decode_with_rope_store_matches_rotary_store_then_decode(dtype):
         assert rel_err(out, ref) < REL_TOL[dtype]
 
 
-def test_decode_weight_prefetch_changes_nothing():
-    # The L2 prefetch of the next matmul's weight is a hint: output identical with and without
-    # it. On Hopper with PDL it is really issued (bytes per program > 0), elsewhere skipped.
-    from pagedbackend.kernels import decode
-    from pagedbackend.kernels.common import pdl_active
-    hq, hkv, d = SHAPES[4]
-    q, _, _, kc, vc, meta = make_batch([1, 1], [37, 300], 16, hq, hkv, d, torch.bfloat16)
-    weight = torch.randn(4096 if CUDA else 64, 512, dtype=torch.bfloat16, device=DEV)
-    cfg = None if CUDA else dict(BLOCK_N=16, num_warps=4, num_stages=1)
-    splits = 4
-    per_program = decode.prefetch_bytes_per_program(weight, 2 * hkv * splits)
-    assert (per_program > 0) == pdl_active(DEV)
-    assert per_program * 2 * hkv * splits <= weight.numel() * weight.element_size()
-    part = (torch.empty(2 * hq * splits * d, device=DEV), torch.empty(2 * hq * splits, device=DEV))
-    outs = []
-    for prefetch in (None, weight):
-        out = torch.full_like(q, float("nan"))
-        kernels.paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, d ** -0.5,
-                                       out, splits, *part, cfg, prefetch=prefetch)
-        outs.append(out)
-    assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1])
-
-
 def test_num_splits_heuristic():
     assert kernels.choose_num_splits(256, 8, 2048, 132) == 1
     assert kernels.choose_num_splits(1, 8, 8192, 132) == 32

@@ -26,13 +26,7 @@ class TritonAttentionBackend:
     The split count follows meta.max_seq_len, so capture graphs with meta.max_seq_len set to the
     longest context they will replay (e.g. max_model_len); any shorter context stays correct.
     One instance can serve every layer: the scratch is reused stream-ordered.
-
-    `prefetch` (the weight of the matmul after attention) goes to the decode kernel in decode
-    steps of at most PREFETCH_MAX_ROWS sequences, where attention reads too little to keep HBM
-    busy (decode.ATTN_PREFETCH_BYTES); larger batches read their KV instead.
     """
-
-    PREFETCH_MAX_ROWS = 4
 
     def __init__(self, num_splits: int | None = None, decode_config: dict | None = None,
                  prefill_config: dict | None = None):
@@ -57,7 +51,7 @@ class TritonAttentionBackend:
             self._scratch[key] = buf
         return buf
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None, prefetch=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None):
         if rope is not None and not USE_KERNELS:       # the torch-rotary A/B
             q, k = apply_rotary(q, k, *rope)
             rope = None
@@ -87,9 +81,7 @@ class TritonAttentionBackend:
             if decode_only:
                 paged_decode_attention(q[:b], k_cache, v_cache, meta.block_tables,
                                        meta.seq_lens, scale, out[:b], splits, part_out,
-                                       part_lse, self.decode_config, rope_store=rope_store,
-                                       prefetch=prefetch if b <= self.PREFETCH_MAX_ROWS
-                                       else None)
+                                       part_lse, self.decode_config, rope_store=rope_store)
             else:
                 paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        scale, out, splits, part_out, part_lse,

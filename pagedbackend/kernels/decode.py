@@ -15,12 +15,6 @@ merge became a serial tail of the attention kernel, and every program paid a GPU
 
 In a decode step the kernel also applies the rotary embedding to q and the new k and writes
 the new k and v into the cache (rope_store), which was a kernel of its own before it.
-
-At a batch of a few sequences the kernel reads little (a few hundred KB of KV per layer) and
-HBM would idle through it and the split merge; given `prefetch` (the weight of the matmul that
-follows, o_proj), its programs first ask for that weight's bytes in L2
-(common.l2_prefetch), so the matmul reads them from there. PAGEDBACKEND_ATTN_PREFETCH_MB
-caps the bytes (0: off).
 """
 from __future__ import annotations
 
@@ -31,9 +25,7 @@ import triton
 import triton.language as tl
 
 from pagedbackend.kernels.cache import slot_address
-from pagedbackend.kernels.common import (PREFETCH_PIECES, dot_precision, l2_prefetch, mma,
-                                         next_pow2, pdl_active, pdl_enter, pdl_launch,
-                                         pdl_trigger, pdl_wait)
+from pagedbackend.kernels.common import dot_precision, mma, next_pow2, pdl_enter, pdl_launch
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -41,8 +33,6 @@ MIN_TOKENS_PER_SPLIT = 128
 # The backend hands a decode step's rotary embedding and KV write to this kernel (one launch
 # per layer fewer); PAGEDBACKEND_ROPE_IN_DECODE=0 keeps them in rotary_store_kv (A/B).
 ROPE_IN_DECODE = os.environ.get("PAGEDBACKEND_ROPE_IN_DECODE", "1") != "0"
-# The most bytes of the next matmul's weight the kernel starts towards L2 (see the docstring).
-ATTN_PREFETCH_BYTES = int(float(os.environ.get("PAGEDBACKEND_ATTN_PREFETCH_MB", "40")) * (1 << 20))
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
@@ -64,17 +54,6 @@ def max_split_rows(num_kv_heads: int, sms: int) -> int:
         best = max(best, b * choose_num_splits(b, num_kv_heads, 1 << 30, sms))
         b += 1
     return best
-
-
-def prefetch_bytes_per_program(t: torch.Tensor | None, programs: int) -> int:
-    """Bytes of t each of `programs` programs prefetches (a multiple of l2_prefetch's unit,
-    ATTN_PREFETCH_BYTES in all at most); 0: no prefetch."""
-    if t is None or ATTN_PREFETCH_BYTES <= 0 or not pdl_active(t.device) \
-            or not t.is_contiguous() or t.data_ptr() % 16:
-        return 0
-    unit = 16 * PREFETCH_PIECES.value
-    total = min(t.numel() * t.element_size(), ATTN_PREFETCH_BYTES)
-    return total // programs // unit * unit
 
 
 def decode_config(head_dim: int) -> dict:
@@ -116,27 +95,21 @@ def _rope_and_store(q, q_at, k_new, v_new, pos, cos_sin_ptr, stride_c, slot, k_b
 
 # stride_bt is the block-table width of this step: unspecialized, or every width that is 1 or a
 # multiple of 16 would compile a variant of its own in the middle of serving.
-@triton.jit(do_not_specialize=["num_splits", "stride_bt", "prefetch_bytes"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                    query_start_loc_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-                   new_k_ptr, new_v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, prefetch_ptr,
-                   prefetch_bytes, scale_log2, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
+                   new_k_ptr, new_v_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
+                   scale_log2, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                    stride_bt, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c,
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                   MIXED: tl.constexpr, ROPE: tl.constexpr, USE_PDL: tl.constexpr,
-                   PREFETCH: tl.constexpr):
+                   MIXED: tl.constexpr, ROPE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    pdl_trigger(USE_PDL)
-    if PREFETCH:        # weights: no kernel writes them, so before the wait
-        program = (seq * tl.num_programs(1) + kvh) * num_splits + split
-        l2_prefetch(prefetch_ptr.to(tl.pointer_type(tl.int8)) + program.to(tl.int64)
-                    * prefetch_bytes, prefetch_bytes)
-    pdl_wait(USE_PDL)
     q_row = seq.to(tl.int64)
     if MIXED:
         # A mixed batch: this kernel takes the single-query sequences, the prefill kernel the rest.
@@ -243,8 +216,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            part_lse: torch.Tensor | None = None,
                            config: dict | None = None,
                            query_start_loc: torch.Tensor | None = None,
-                           rope_store: tuple | None = None,
-                           prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                           rope_store: tuple | None = None) -> torch.Tensor:
     """q/out [B, Hq, D] (row b is sequence b's single query); caches [N, block_size, Hkv, D].
 
     With query_start_loc (a mixed batch, q/out [T, Hq, D]) only sequences with exactly one query
@@ -258,10 +230,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kernel rotates q in registers (q itself is left as it was) and writes rotated k and v at
     slot_mapping (-1: nowhere) before reading them back: the work of rotary_store_kv without
     its launch (see ROPE_IN_DECODE).
-
-    prefetch: a tensor the next kernel reads and no kernel writes (a weight); up to
-    ATTN_PREFETCH_BYTES of it are started towards L2 (Hopper or newer with PDL; ignored
-    elsewhere).
     """
     hq, d = q.shape[1:]
     b = seq_lens.shape[0]
@@ -287,10 +255,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                         cos_sin.stride(0))
     else:
         rope_args, rope_strides = (seq_lens,) * 5, (0,) * 5
-    pf_bytes = prefetch_bytes_per_program(prefetch, b * hkv * num_splits)
     _decode_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc if mixed else seq_lens,
-        out, part_out, part_lse, *rope_args, prefetch if pf_bytes else q, pf_bytes,
+        out, part_out, part_lse, *rope_args,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -299,8 +266,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_Q_HEADS=hq, GROUP=group, BLOCK_G=next_pow2(group, 16),
         HEAD_DIM=d, BLOCK_D=next_pow2(d, 16), BLOCK_SIZE=k_cache.shape[1],
         BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, PRECISION=dot_precision(q.dtype),
-        MIXED=mixed, ROPE=rope_store is not None, PREFETCH=pf_bytes > 0,
-        num_warps=cfg["num_warps"],
+        MIXED=mixed, ROPE=rope_store is not None, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_launch(q))
     if num_splits > 1:
         _merge_splits_kernel[(b, hq)](

@@ -59,12 +59,10 @@ class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D];
         rope = (positions [T], cos_sin_cache) when q and k still need the rotary embedding
-        (so a backend can rotate them on the way into the cache); prefetch: a weight read
-        right after (o_proj's), which a backend may start loading (a hint, may be ignored).
+        (so a backend can rotate them on the way into the cache).
 
         Writes k/v into the caches at meta.slot_mapping, then returns attention output [T, Hq, D].
         """
@@ -115,7 +113,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 class TorchAttentionBackend:
     """CPU / fallback backend: SDPA per prefill sequence, one padded batched SDPA for decode."""
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None, prefetch=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, rope=None):
         if rope is not None:
             q, k = apply_rotary(q, k, *rope)
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -138,8 +138,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale,
-                                 rope=(positions, self.cos_sin_cache),
-                                 prefetch=self.o_proj.weight)
+                                 rope=(positions, self.cos_sin_cache))
         return self.o_proj(o.reshape(t, self.q_size))
 
 
