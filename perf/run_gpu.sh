@@ -62,6 +62,12 @@ for s in $stages; do
     # 2048 and 4096 in one process: GEMMs run faster at 2048 rows than at 8192 (gemm stage)
     w2mbt) run w2mbt 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --profile \
              --ab mbt2048,mbt4096 ;;
+    # W2 128/128 with the rotary + KV write in the decode kernel (default) and in their own
+    # kernel, one process (W2's decode kernel at 512 rows was 10% slower in call 17)
+    w2rope) run w2rope 240 python3 perf/w2_fixed.py --shapes 128-128 --ab ropekernel ;;
+    # W2 2048/128, then a profile of 128 of its requests (where the prefill time goes)
+    w2longprof) run w2longprof 240 python3 perf/w2_fixed.py --shapes 2048-128 --profile \
+                  --profile-shape 2048-128-128 ;;
     w2long) run w2long 300 python3 perf/w2_fixed.py --shapes 2048-128,128-2048 ;;
     w3) run w3 120 python3 perf/w3_mix.py ;;
     w5) run w5 300 python3 perf/w5_vs_transformers.py ;;

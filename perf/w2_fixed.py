@@ -38,8 +38,10 @@ def main():
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--suffix", default="", help="result file suffix (A/B runs)")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile 512 requests of 128/128 (one wave of W2 128/128: "
+                    help="also profile --profile-shape (default: one wave of W2 128/128: "
                     "8 prefill steps, 128 decode steps of 512 rows)")
+    ap.add_argument("--profile-shape", default="128-128-512",
+                    help="ISL-OSL-REQUESTS of the profiled run")
     ap.add_argument("--ab", default="", help=AB_HELP)
     a = ap.parse_args()
     from pagedbackend import LLM
@@ -56,9 +58,10 @@ def main():
                     for s in a.shapes.split(","))
         if a.profile and label == "default":
             from pagedbackend import SamplingParams
+            isl, osl, n = (int(x) for x in a.profile_shape.split("-"))
             profile_generate(llm, [{"prompt_token_ids": p}
-                                   for p in random_prompts(512, 128, seed=1)],
-                             SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), "W2",
+                                   for p in random_prompts(n, isl, seed=1)],
+                             SamplingParams(temperature=0, max_tokens=osl, ignore_eos=True), "W2",
                              rows=28)
     run_variants(a.ab, make_llm, body)
     print_table(rows, "W2")

@@ -44,7 +44,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Same sharding as the embedding, so a tied head can simply share its weight."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight).float()
+        """Logits in the weights' dtype: the greedy argmax reads them as they are and the
+        sampler widens them to fp32 where it computes with them (a fp32 copy here cost a
+        [rows, vocab] read and a twice-as-large write every step)."""
+        logits = linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
