@@ -75,7 +75,7 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
 
 
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
-           "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, ropekernel, "
+           "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, ropekernel, oldtiles, "
            "eagerprefill, nopdl, cublas (perf/common.run_variants)")
 
 
@@ -87,7 +87,8 @@ def run_variants(names: str, make_llm, body) -> None:
     prologue prefetch, that much), mbt<N> (make_llm(max_num_batched_tokens=N)),
     ropekernel (a decode step's rotary + KV write in their own kernel, not in the attention
     kernel),
-    eagerprefill (no CUDA graphs for single-sequence prefills),
+    eagerprefill (no CUDA graphs for single-sequence prefills), oldtiles (the attention tiles
+    before the sweep of 2026-12-03: decode 2 stages, prefill 128 x 64 with 8 warps),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". One engine is alive at a time: body must not keep
     it."""
@@ -95,7 +96,7 @@ def run_variants(names: str, make_llm, body) -> None:
 
     import torch
 
-    from pagedbackend.kernels import common, decode, gemv
+    from pagedbackend.kernels import common, decode, gemv, prefill
     from pagedbackend.worker import cuda_graph
     variants = list(filter(None, names.split(",")))
 
@@ -105,9 +106,10 @@ def run_variants(names: str, make_llm, body) -> None:
         return next((k for p, k in (("pfplain", "pf"), ("pf", "pf"), ("mbt", "mbt"))
                      if v.startswith(p) and v[len(p):].isdigit()), v)
     for name in variants:
-        if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "ropekernel", "eagerprefill"):
+        if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "ropekernel", "eagerprefill",
+                              "oldtiles"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, mbt<N>, "
-                             "ropekernel, eagerprefill, nopdl or cublas")
+                             "ropekernel, eagerprefill, oldtiles, nopdl or cublas")
     steps, active = [("default", None)], []
     for v in variants:
         active = [a for a in active if kind(a) != kind(v) or kind(v) == v] + [v]
@@ -122,6 +124,11 @@ def run_variants(names: str, make_llm, body) -> None:
             decode.ROPE_IN_DECODE = False
         elif switch == "eagerprefill":
             cuda_graph.PREFILL_GRAPHS = False
+        elif switch == "oldtiles":
+            new_decode, new_prefill = decode.decode_config, prefill.prefill_config
+            decode.decode_config = lambda d: {**new_decode(d), "num_stages": 2}
+            prefill.prefill_config = lambda d: {**new_prefill(d), **(
+                dict(BLOCK_M=128, num_warps=8) if 64 < d <= 128 else {})}
         elif switch == "noprefetch":
             common.PREFETCH_BYTES, common.PREFETCH_PLAIN_BYTES = 0, None
         elif switch is not None and switch.startswith("pfplain"):

@@ -25,7 +25,7 @@ for s in $stages; do
     skinny) run skinny 300 python3 -m pytest -q tests/test_kernels.py -k "skinny or compiles" ;;
     # the decode kernel's rotary + KV write, the single-sequence prefill graphs against eager
     # steps, decode parity and the no-compile test (fresh compiles make it ~4 min)
-    attn) run attn 300 python3 -m pytest -q tests/test_kernels.py -k "rope_store or backend_rope or prefill_graph or compiles or decode_matches" ;;
+    attn) run attn 300 python3 -m pytest -q tests/test_kernels.py -k "rope_store or backend_rope or prefill_graph or compiles or decode_matches or prefill_matches" ;;
     # with the image's own python: transformers does not import under setup.sh's numpy 1.26
     correctness) run correctness 240 "$base_py" perf/gpu_correctness.py ;;
     # fp32 only (where all 256 greedy tokens must agree with transformers), ~2 min
@@ -68,6 +68,8 @@ for s in $stages; do
     # W2 2048/128, then a profile of 128 of its requests (where the prefill time goes)
     w2longprof) run w2longprof 240 python3 perf/w2_fixed.py --shapes 2048-128 --profile \
                   --profile-shape 2048-128-128 ;;
+    # the attention tiles of the 2026-12-03 sweep (default) against the ones before, one process
+    w2tiles) run w2tiles 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab oldtiles ;;
     w2long) run w2long 300 python3 perf/w2_fixed.py --shapes 2048-128,128-2048 ;;
     w3) run w3 120 python3 perf/w3_mix.py ;;
     w5) run w5 300 python3 perf/w5_vs_transformers.py ;;

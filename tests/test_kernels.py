@@ -300,11 +300,14 @@ def test_rotary_store_kv_matches_rotary_then_store(dtype):
     assert torch.equal(kc.flatten(0, 1)[untouched], kc_ref.flatten(0, 1)[untouched])
 
 
-@pytest.mark.parametrize("decode_only", [False, True])
-def test_backend_rope_matches_torch_backend(decode_only):
+@pytest.mark.parametrize("decode_only,in_kernel", [(False, True), (True, True), (True, False)])
+def test_backend_rope_matches_torch_backend(decode_only, in_kernel, monkeypatch):
     """The model's call: rotary handed to the backend (fused into the KV write on triton; in a
-    decode step, into the decode attention kernel)."""
+    narrow decode step, into the decode attention kernel; in a wide one, rotary_store_kv)."""
+    from pagedbackend.kernels import decode
     from pagedbackend.layers.attention import TorchAttentionBackend
+    monkeypatch.setattr(decode, "ROPE_IN_DECODE", in_kernel)
+    assert decode.rope_in_decode(2, 2, 4) == in_kernel and not decode.rope_in_decode(3, 2, 4)
     hq, hkv, d = SHAPES[2]
     dtype = torch.float32
     q_lens = [1, 1] if decode_only else [6, 1]

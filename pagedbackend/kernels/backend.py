@@ -17,7 +17,8 @@ class TritonAttentionBackend:
     """Writes K/V, then runs the decode kernel when every sequence has one query
     (meta.max_query_len == 1), and otherwise the prefill kernel, plus the decode kernel for the
     single-query sequences of a mixed batch (both select their sequences on the device). In a
-    decode step the decode kernel applies the rotary embedding and writes K/V itself.
+    narrow decode step the decode kernel applies the rotary embedding and writes K/V itself
+    (decode.rope_in_decode).
 
     Decode is CUDA-graph safe: it reads only host fields of meta (shapes, max_seq_len), launches
     grids that depend on the batch size and the split count alone, and uses split-KV scratch
@@ -58,8 +59,8 @@ class TritonAttentionBackend:
         b = meta.seq_lens.shape[0]
         decode_only = meta.max_query_len == 1
         rope_store = None
-        if rope is not None and decode_only and decode.ROPE_IN_DECODE \
-                and rope[1].shape[-1] == q.shape[-1]:
+        if rope is not None and decode_only and rope[1].shape[-1] == q.shape[-1] \
+                and decode.rope_in_decode(b, k_cache.shape[2], num_sms(q.device.index)):
             # the decode kernel rotates q and k and writes k and v itself
             rope_store = (k[:b], v[:b], rope[0][:b], rope[1], meta.slot_mapping[:b])
         elif rope is None:

@@ -31,8 +31,18 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 128
 # The backend hands a decode step's rotary embedding and KV write to this kernel (one launch
-# per layer fewer); PAGEDBACKEND_ROPE_IN_DECODE=0 keeps them in rotary_store_kv (A/B).
+# per layer fewer) while the step has at most one (sequence, kv head) per SM: the work before
+# the context loop then runs once per SM. In a wide step it runs wave after wave instead, and
+# costs more than the launch it saves (W2 128/128, 512 rows, H200: the kernel 130 vs 118 us a
+# layer, the whole run 0.9% slower than with rotary_store_kv). See rope_in_decode.
+# PAGEDBACKEND_ROPE_IN_DECODE=0 keeps them in rotary_store_kv always (A/B).
 ROPE_IN_DECODE = os.environ.get("PAGEDBACKEND_ROPE_IN_DECODE", "1") != "0"
+
+
+def rope_in_decode(num_seqs: int, num_kv_heads: int, sms: int) -> bool:
+    """Whether a decode step of num_seqs sequences rotates and writes K/V in the attention
+    kernel (rope_store) rather than in rotary_store_kv first."""
+    return ROPE_IN_DECODE and num_seqs * num_kv_heads <= sms
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
@@ -57,10 +67,12 @@ def max_split_rows(num_kv_heads: int, sms: int) -> int:
 
 
 def decode_config(head_dim: int) -> dict:
-    # 64 tokens (4 blocks of 16) per iteration keeps enough bytes in flight per program;
-    # K+V tiles are 32 KiB at D=128, so two stages leave room for 3 CTAs per SM.
+    # 64 tokens (4 blocks of 16) per iteration keeps enough bytes in flight per program.
+    # K+V tiles are 32 KiB at D=128; three stages (two CTAs per SM) beat two (three CTAs) on
+    # the H200 at long contexts (kernels_bench --sweep, 2026-12-03: 256 rows x 2048 tokens
+    # 493 vs 537 us, 64 x 2048 136 vs 140, 64 x 512 47.0 vs 48.0).
     if head_dim <= 128:
-        return dict(BLOCK_N=64, num_warps=4, num_stages=2)
+        return dict(BLOCK_N=64, num_warps=4, num_stages=3)
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
 
 
