@@ -87,8 +87,8 @@ def run_variants(names: str, make_llm, body) -> None:
     prologue prefetch, that much), mbt<N> (make_llm(max_num_batched_tokens=N)),
     ropekernel (a decode step's rotary + KV write in their own kernel, not in the attention
     kernel),
-    eagerprefill (no CUDA graphs for single-sequence prefills), oldtiles (the attention tiles
-    before the sweep of 2026-12-03: decode 2 stages, prefill 128 x 64 with 8 warps),
+    eagerprefill (no CUDA graphs for single-sequence prefills), oldtiles (the prefill tile
+    before the sweep of 2026-12-03: 128 x 64 with 8 warps),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". One engine is alive at a time: body must not keep
     it."""
@@ -125,8 +125,7 @@ def run_variants(names: str, make_llm, body) -> None:
         elif switch == "eagerprefill":
             cuda_graph.PREFILL_GRAPHS = False
         elif switch == "oldtiles":
-            new_decode, new_prefill = decode.decode_config, prefill.prefill_config
-            decode.decode_config = lambda d: {**new_decode(d), "num_stages": 2}
+            new_prefill = prefill.prefill_config
             prefill.prefill_config = lambda d: {**new_prefill(d), **(
                 dict(BLOCK_M=128, num_warps=8) if 64 < d <= 128 else {})}
         elif switch == "noprefetch":

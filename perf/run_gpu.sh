@@ -30,6 +30,7 @@ for s in $stages; do
     correctness) run correctness 240 "$base_py" perf/gpu_correctness.py ;;
     # fp32 only (where all 256 greedy tokens must agree with transformers), ~2 min
     correctness32) run correctness32 200 "$base_py" perf/gpu_correctness.py --dtypes float32 ;;
+    correctness16) run correctness16 200 "$base_py" perf/gpu_correctness.py --dtypes bfloat16 ;;
     w1) run w1 150 python3 perf/w1_decode.py --profile ;;
     # W1, then in the same process (same tile choices) without PDL and without the skinny GEMM
     w1ab) run w1ab 300 python3 perf/w1_decode.py --profile --ab nopdl,cublas ;;
@@ -68,7 +69,7 @@ for s in $stages; do
     # W2 2048/128, then a profile of 128 of its requests (where the prefill time goes)
     w2longprof) run w2longprof 240 python3 perf/w2_fixed.py --shapes 2048-128 --profile \
                   --profile-shape 2048-128-128 ;;
-    # the attention tiles of the 2026-12-03 sweep (default) against the ones before, one process
+    # the prefill tile of the 2026-12-03 sweep (default) against the one before, one process
     w2tiles) run w2tiles 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab oldtiles ;;
     w2long) run w2long 300 python3 perf/w2_fixed.py --shapes 2048-128,128-2048 ;;
     w3) run w3 120 python3 perf/w3_mix.py ;;

@@ -67,12 +67,12 @@ def max_split_rows(num_kv_heads: int, sms: int) -> int:
 
 
 def decode_config(head_dim: int) -> dict:
-    # 64 tokens (4 blocks of 16) per iteration keeps enough bytes in flight per program.
-    # K+V tiles are 32 KiB at D=128; three stages (two CTAs per SM) beat two (three CTAs) on
-    # the H200 at long contexts (kernels_bench --sweep, 2026-12-03: 256 rows x 2048 tokens
-    # 493 vs 537 us, 64 x 2048 136 vs 140, 64 x 512 47.0 vs 48.0).
+    # 64 tokens (4 blocks of 16) per iteration keeps enough bytes in flight per program;
+    # K+V tiles are 32 KiB at D=128, so two stages leave room for 3 CTAs per SM. Three stages
+    # were 3-8% faster alone at 2048-token contexts (kernels_bench --sweep) but made W2
+    # 128/128 2.8% slower and W2 2048/128 no faster (H200, 2026-12-03).
     if head_dim <= 128:
-        return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+        return dict(BLOCK_N=64, num_warps=4, num_stages=2)
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
 
 

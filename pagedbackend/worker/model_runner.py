@@ -195,7 +195,10 @@ class ModelRunner:
                                list(range(n)), bs)
                 logits = self.forward_logits(h, graphs=False)
                 if logits is not None:
-                    argmax(logits)      # the greedy sampler's kernel, too
+                    # the greedy sampler's kernel, too: on the logits as they are, and widened
+                    # (the sampler's path when penalties or random rows share the step)
+                    argmax(logits)
+                    argmax(logits.float())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
