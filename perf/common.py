@@ -76,7 +76,8 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
 
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
            "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, ropekernel, oldtiles, "
-           "eagerprefill, nopdl, cublas (perf/common.run_variants)")
+           "eagerprefill, nopdl, cublas; default runs the default again "
+           "(perf/common.run_variants)")
 
 
 def run_variants(names: str, make_llm, body) -> None:
@@ -90,8 +91,10 @@ def run_variants(names: str, make_llm, body) -> None:
     eagerprefill (no CUDA graphs for single-sequence prefills), oldtiles (the prefill tile
     before the sweep of 2026-12-03: 128 x 64 with 8 warps),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
-    kind. Labels such as "noprefetch-nopdl". One engine is alive at a time: body must not keep
-    it."""
+    kind. Labels such as "noprefetch-nopdl". "default" undoes every switch and runs the
+    default again (label "default-again"): an A-B-A order shows whether a later engine in the
+    process runs faster whatever it is (W2 did, by 1-3%, in calls 18 and 19). One engine is
+    alive at a time: body must not keep it."""
     import gc
 
     import torch
@@ -107,16 +110,27 @@ def run_variants(names: str, make_llm, body) -> None:
                      if v.startswith(p) and v[len(p):].isdigit()), v)
     for name in variants:
         if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "ropekernel", "eagerprefill",
-                              "oldtiles"):
+                              "oldtiles", "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, mbt<N>, "
-                             "ropekernel, eagerprefill, oldtiles, nopdl or cublas")
+                             "ropekernel, eagerprefill, oldtiles, nopdl, cublas or default")
     steps, active = [("default", None)], []
     for v in variants:
+        if v == "default":
+            active = []
+            steps.append(("default-again", v))
+            continue
         active = [a for a in active if kind(a) != kind(v) or kind(v) == v] + [v]
         steps.append(("-".join(active), v))
+    initial = (common.PDL_ENABLED, gemv.ENABLED, decode.ROPE_IN_DECODE,
+               cuda_graph.PREFILL_GRAPHS, prefill.prefill_config, common.PREFETCH_BYTES,
+               common.PREFETCH_PLAIN_BYTES)
     overrides = {}
     for label, switch in steps:
-        if switch == "nopdl":
+        if switch == "default":
+            (common.PDL_ENABLED, gemv.ENABLED, decode.ROPE_IN_DECODE, cuda_graph.PREFILL_GRAPHS,
+             prefill.prefill_config, common.PREFETCH_BYTES, common.PREFETCH_PLAIN_BYTES) = initial
+            overrides = {}
+        elif switch == "nopdl":
             common.PDL_ENABLED = False
         elif switch == "cublas":
             gemv.ENABLED = False

@@ -71,9 +71,14 @@ for s in $stages; do
                   --profile-shape 2048-128-128 ;;
     # the prefill tile of the 2026-12-03 sweep (default) against the one before, one process
     w2tiles) run w2tiles 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab oldtiles ;;
+    # three identical engines in one process (A-A-A): the order effect alone (W2's second engine
+    # ran 1-3% faster in calls 18 and 19, whatever its variant)
+    w2order) run w2order 330 python3 perf/w2_fixed.py --shapes 128-128 --ab default,default ;;
     w2long) run w2long 300 python3 perf/w2_fixed.py --shapes 2048-128,128-2048 ;;
     w3) run w3 120 python3 perf/w3_mix.py ;;
     w5) run w5 300 python3 perf/w5_vs_transformers.py ;;
+    # the same, then our run once more under torch.profiler (where W5's time goes)
+    w5prof) run w5prof 360 python3 perf/w5_vs_transformers.py --profile ;;
     bench) run bench 90 python3 perf/kernels_bench.py ;;
     # the same with a tile sweep per shape (decode: W2's 512 rows x 192 tokens included)
     benchsweep) run benchsweep 200 python3 perf/kernels_bench.py --sweep ;;

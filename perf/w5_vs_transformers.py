@@ -11,8 +11,8 @@ import argparse
 import gc
 import time
 
-from common import (dummy_model_dir, engine_overrides, output_tokens, print_table, timed,
-                    write_result)
+from common import (dummy_model_dir, engine_overrides, output_tokens, print_table,
+                    profile_generate, timed, write_result)
 from w3_mix import requests
 
 
@@ -54,6 +54,9 @@ def main():
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--hf-batch-size", type=int, default=256)
     ap.add_argument("--hf-max-seconds", type=float, default=60.0)
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed run, the same mix (seed 1: new prompts, so no prefix "
+                         "cache hits) under torch.profiler: where our time goes, by kernel")
     a = ap.parse_args()
     prompts, params = requests()
     mdir = dummy_model_dir(a.model)
@@ -71,6 +74,8 @@ def main():
            "ratio": ours / hf["output_tokens_per_s"], "baseline": hf,
            "step_split": step_split, "roofline_fraction": None}
     write_result("W5", a.model, res)
+    if a.profile:
+        profile_generate(llm, *requests(seed=1), "W5", rows=28)
     print_table([{"workload": "W5", "model": a.model, "ours_tok_s": ours,
                   "transformers_tok_s": hf["output_tokens_per_s"], "ratio": res["ratio"],
                   "hf_steps": str(hf["steps_per_batch"])}], "W5")

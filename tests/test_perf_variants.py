@@ -1,0 +1,69 @@
+"""perf/common.run_variants: the in-process A/B driver sets each variant's switches, keeps
+earlier ones (cumulative), and "default" restores the start state (A-B-A runs)."""
+import importlib.util
+import os
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_perf_common():
+    spec = importlib.util.spec_from_file_location(
+        "perf_common", os.path.join(ROOT, "perf", "common.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class FakeLLM:
+    def __init__(self, **overrides):
+        self.overrides = overrides
+        self.engine = self
+        self.stopped = False
+
+    def shutdown(self):
+        self.stopped = True
+
+
+def test_variants_are_cumulative_and_default_restores_everything():
+    from pagedbackend.kernels import common, decode, prefill
+    from pagedbackend.worker import cuda_graph
+    perf = load_perf_common()
+    start = (common.PDL_ENABLED, decode.ROPE_IN_DECODE, cuda_graph.PREFILL_GRAPHS,
+             prefill.prefill_config, common.PREFETCH_BYTES)
+    seen, engines = [], []
+
+    def make_llm(**kw):
+        engines.append(FakeLLM(**kw))
+        return engines[-1]
+
+    def body(llm, label):
+        assert not any(e is not llm and not e.stopped for e in engines)   # one alive at a time
+        seen.append((label, common.PDL_ENABLED, decode.ROPE_IN_DECODE,
+                     prefill.prefill_config(128)["BLOCK_M"], common.PREFETCH_BYTES,
+                     llm.overrides.get("max_num_batched_tokens")))
+    try:
+        perf.run_variants("ropekernel,pf4,mbt2048,default,nopdl", make_llm, body)
+    finally:
+        (common.PDL_ENABLED, decode.ROPE_IN_DECODE, cuda_graph.PREFILL_GRAPHS,
+         prefill.prefill_config, common.PREFETCH_BYTES) = start
+    block_m = prefill.prefill_config(128)["BLOCK_M"]
+    pdl, rope, pf = start[0], start[1], start[4]
+    assert seen == [
+        ("default", pdl, rope, block_m, pf, None),
+        ("ropekernel", pdl, False, block_m, pf, None),
+        ("ropekernel-pf4", pdl, False, block_m, 4 << 20, None),
+        ("ropekernel-pf4-mbt2048", pdl, False, block_m, 4 << 20, 2048),
+        ("default-again", pdl, rope, block_m, pf, None),
+        ("nopdl", False, rope, block_m, pf, None),
+    ]
+    assert all(e.stopped for e in engines)
+
+
+def test_unknown_variant_is_refused_by_name():
+    perf = load_perf_common()
+    with pytest.raises(SystemExit, match="'fastest'"):
+        perf.run_variants("fastest", FakeLLM, lambda llm, label: None)
