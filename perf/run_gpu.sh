@@ -96,6 +96,11 @@ for s in $stages; do
              run serve500 170 env RATES="inf 16" ENGINE_RATES="" SKIP_PA=1 OFFLINE_S=0 \
                NAME=llama-3.1-8b-budget500 EXTRA_SETTINGS="max_responses_per_s=500" \
                BUDGET_S=160 OUT="$out/w4-budget500" bash perf/w4_gpu.sh ;;
+    # W4 at rate 16 into the engine in this process (no Triton): the engine's own TTFT/TPOT at
+    # that load, default / no PDL / default again / the old prefill tile (what made rate 16
+    # slower since 0142581?)
+    w4inproc) run w4inproc 400 python3 perf/w4_engine_rate.py --rates 16 \
+                --ab nopdl,default,oldtiles ;;
     # W4 with the repository's defaults at rates inf and 16, and offline (the server's start
     # took 64 s in call 16, which left a 250 s budget no room for the Triton runs)
     servefast) run serve 340 env RATES="inf 16" ENGINE_RATES="" SKIP_PA=1 BUDGET_S=330 \
