@@ -33,8 +33,8 @@ MIN_TOKENS_PER_SPLIT = 128
 # The backend hands a decode step's rotary embedding and KV write to this kernel (one launch
 # per layer fewer) while the step has at most one (sequence, kv head) per SM: the work before
 # the context loop then runs once per SM. In a wide step it runs wave after wave instead, and
-# costs more than the launch it saves (W2 128/128, 512 rows, H200: the kernel 130 vs 118 us a
-# layer, the whole run 0.9% slower than with rotary_store_kv). See rope_in_decode.
+# costs more than the launch it saves (W2 128/128, 512 rows, H200: the kernel 130 us a layer
+# against 118 + 7.6 us for it and rotary_store_kv). See rope_in_decode.
 # PAGEDBACKEND_ROPE_IN_DECODE=0 keeps them in rotary_store_kv always (A/B).
 ROPE_IN_DECODE = os.environ.get("PAGEDBACKEND_ROPE_IN_DECODE", "1") != "0"
 
@@ -69,8 +69,8 @@ def max_split_rows(num_kv_heads: int, sms: int) -> int:
 def decode_config(head_dim: int) -> dict:
     # 64 tokens (4 blocks of 16) per iteration keeps enough bytes in flight per program;
     # K+V tiles are 32 KiB at D=128, so two stages leave room for 3 CTAs per SM. Three stages
-    # were 3-8% faster alone at 2048-token contexts (kernels_bench --sweep) but made W2
-    # 128/128 2.8% slower and W2 2048/128 no faster (H200, 2026-12-03).
+    # were 3-8% faster alone at 2048-token contexts (kernels_bench --sweep) but no W2 run was
+    # measurably faster with them (H200, 2026-12-03; perf/RESULTS.md, calls 17 to 21).
     if head_dim <= 128:
         return dict(BLOCK_N=64, num_warps=4, num_stages=2)
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
