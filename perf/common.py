@@ -121,14 +121,15 @@ def run_variants(names: str, make_llm, body) -> None:
             continue
         active = [a for a in active if kind(a) != kind(v) or kind(v) == v] + [v]
         steps.append(("-".join(active), v))
-    initial = (common.PDL_ENABLED, gemv.ENABLED, decode.ROPE_IN_DECODE,
-               cuda_graph.PREFILL_GRAPHS, prefill.prefill_config, common.PREFETCH_BYTES,
-               common.PREFETCH_PLAIN_BYTES)
+    switches = ((common, "PDL_ENABLED"), (gemv, "ENABLED"), (decode, "ROPE_IN_DECODE"),
+                (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
+                (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"))
+    initial = [getattr(mod, name) for mod, name in switches]
     overrides = {}
     for label, switch in steps:
         if switch == "default":
-            (common.PDL_ENABLED, gemv.ENABLED, decode.ROPE_IN_DECODE, cuda_graph.PREFILL_GRAPHS,
-             prefill.prefill_config, common.PREFETCH_BYTES, common.PREFETCH_PLAIN_BYTES) = initial
+            for (mod, name), value in zip(switches, initial):
+                setattr(mod, name, value)
             overrides = {}
         elif switch == "nopdl":
             common.PDL_ENABLED = False

@@ -64,7 +64,8 @@ for s in $stages; do
     w2mbt) run w2mbt 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --profile \
              --ab mbt2048,mbt4096 ;;
     # W2 128/128 with the rotary + KV write in the decode kernel (default) and in their own
-    # kernel, one process (W2's decode kernel at 512 rows was 10% slower in call 17)
+    # kernel, one process (call 18). Since f790846 a 512-row step uses the separate kernel
+    # either way (decode.rope_in_decode): only the narrow steps of the waves' tails differ
     w2rope) run w2rope 240 python3 perf/w2_fixed.py --shapes 128-128 --ab ropekernel ;;
     # W2 2048/128, then a profile of 128 of its requests (where the prefill time goes)
     w2longprof) run w2longprof 240 python3 perf/w2_fixed.py --shapes 2048-128 --profile \

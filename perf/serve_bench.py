@@ -72,6 +72,14 @@ def make_samples(n: int, seed: int, scale: float, model: str, model_dir: str) ->
     return samples
 
 
+def arrival_gaps(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds before each of n sends: Poisson arrivals at `rate` per second (the first at
+    once; inf: all at once), seeded."""
+    rng = np.random.default_rng(seed)
+    return [0.0] + [float(rng.exponential(1.0 / rate)) if math.isfinite(rate) else 0.0
+                    for _ in range(n - 1)]
+
+
 def percentiles(xs: list[float]) -> tuple[float, float, float]:
     if not xs:
         return (float("nan"),) * 3
@@ -99,10 +107,9 @@ async def run(url: str, model: str, samples: list[Sample], rate: float, seed: in
             yield item
 
     async def sender():
-        rng = np.random.default_rng(seed)
-        for i, s in enumerate(samples):
-            if i and math.isfinite(rate):
-                await asyncio.sleep(float(rng.exponential(1.0 / rate)))
+        for i, (s, gap) in enumerate(zip(samples, arrival_gaps(len(samples), rate, seed))):
+            if gap:
+                await asyncio.sleep(gap)
             kw = dict(max_tokens=s.output_len, ignore_eos=True, temperature=0.0, stream=True)
             inputs = (build_inputs(input_ids=s.prompt_ids, cache_salt=cache_salt, **kw)
                       if model == "engine" else build_inputs(s.prompt_text, cache_salt=cache_salt,

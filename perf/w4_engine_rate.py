@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from common import AB_HELP, ROOT, print_table, run_variants, write_result
-from serve_bench import Trace, make_samples, summarize
+from serve_bench import Trace, arrival_gaps, make_samples, summarize
 from w4_offline import engine_params
 from w4_tools import settings_of
 
@@ -32,10 +32,7 @@ def replay(engine, samples, rate: float, seed: int, salt: str) -> tuple[dict, li
     """Feed samples at Poisson arrivals (rate per second; inf: all at once) while stepping the
     engine; returns serve_bench's summary and the per-request traces."""
     from pagedbackend import SamplingParams
-    rng = np.random.default_rng(seed)
-    gaps = [0.0] + [float(rng.exponential(1.0 / rate)) if math.isfinite(rate) else 0.0
-                    for _ in samples[1:]]
-    due = np.cumsum(gaps)
+    due = np.cumsum(arrival_gaps(len(samples), rate, seed))
     traces = [Trace() for _ in samples]
     nxt, left = 0, len(samples)
     t0 = time.perf_counter()
@@ -73,7 +70,8 @@ def main():
     ap.add_argument("--setting", action="append", default=[],
                     help="engine setting k=v (default: load_format=dummy dtype=bfloat16 "
                          "max_model_len=4096, as w4_gpu.sh)")
-    ap.add_argument("--rates", default="16", help="comma-separated request rates (inf: all at once)")
+    ap.add_argument("--rates", default="16",
+                    help="comma-separated request rates (inf: all at once)")
     ap.add_argument("--num-prompts", type=int, default=500)
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)

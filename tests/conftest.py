@@ -1,3 +1,4 @@
+import importlib
 import os
 
 import pytest
@@ -15,3 +16,10 @@ def smollm2_dir() -> str:
     if not os.path.exists(os.path.join(SMOLLM2, "config.json")):
         pytest.fail(f"{SMOLLM2} is missing: run `make model` (scripts/prepare_model.py)")
     return SMOLLM2
+
+
+@pytest.fixture()
+def perf_module(monkeypatch):
+    """import_module for the perf/ scripts, with perf/ on sys.path as when they run."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "perf"))
+    return importlib.import_module

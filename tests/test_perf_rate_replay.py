@@ -1,22 +1,8 @@
 """perf/w4_engine_rate.replay: W4's requests at Poisson arrivals into an engine, chunk times
 and token counts per request, serve_bench's summary."""
-import importlib
 import math
-import os
-import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture()
-def rate_mod():
-    sys.path.insert(0, os.path.join(ROOT, "perf"))
-    try:
-        yield importlib.import_module("w4_engine_rate")
-    finally:
-        sys.path.remove(os.path.join(ROOT, "perf"))
 
 
 class FakeEngine:
@@ -48,11 +34,11 @@ class FakeEngine:
 
 
 @pytest.mark.parametrize("rate", [math.inf, 200.0])
-def test_replay_streams_every_token_and_keeps_the_arrival_order(rate_mod, rate):
-    from serve_bench import sharegpt_shaped
-    samples = sharegpt_shaped(12, seed=3, scale=0.05)
+def test_replay_streams_every_token_and_keeps_the_arrival_order(perf_module, rate):
+    samples = perf_module("serve_bench").sharegpt_shaped(12, seed=3, scale=0.05)
     engine = FakeEngine()
-    summary, traces = rate_mod.replay(engine, samples, rate, seed=0, salt="salt")
+    summary, traces = perf_module("w4_engine_rate").replay(engine, samples, rate, seed=0,
+                                                           salt="salt")
     assert summary["completed"] == 12 and summary["failed"] == 0
     assert summary["total_output_tokens"] == sum(s.output_len for s in samples)
     assert [engine.added[str(i)] for i in range(12)] == list(range(12))

@@ -1,21 +1,8 @@
 """perf/common.run_variants: the in-process A/B driver sets each variant's switches, keeps
 earlier ones (cumulative), and "default" restores the start state (A-B-A runs)."""
-import importlib.util
-import os
-
 import pytest
 
 pytest.importorskip("triton")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_perf_common():
-    spec = importlib.util.spec_from_file_location(
-        "perf_common", os.path.join(ROOT, "perf", "common.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class FakeLLM:
@@ -28,10 +15,10 @@ class FakeLLM:
         self.stopped = True
 
 
-def test_variants_are_cumulative_and_default_restores_everything():
+def test_variants_are_cumulative_and_default_restores_everything(perf_module):
     from pagedbackend.kernels import common, decode, prefill
     from pagedbackend.worker import cuda_graph
-    perf = load_perf_common()
+    perf = perf_module("common")
     start = (common.PDL_ENABLED, decode.ROPE_IN_DECODE, cuda_graph.PREFILL_GRAPHS,
              prefill.prefill_config, common.PREFETCH_BYTES)
     seen, engines = [], []
@@ -63,7 +50,7 @@ def test_variants_are_cumulative_and_default_restores_everything():
     assert all(e.stopped for e in engines)
 
 
-def test_unknown_variant_is_refused_by_name():
-    perf = load_perf_common()
+def test_unknown_variant_is_refused_by_name(perf_module):
+    perf = perf_module("common")
     with pytest.raises(SystemExit, match="'fastest'"):
         perf.run_variants("fastest", FakeLLM, lambda llm, label: None)

@@ -195,7 +195,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x.stride(0), weight.stride(0), y.stride(0), r.stride(0), r_out.stride(0), pf,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         EVEN_N=even_n, EVEN_K=k % block_k == 0, PROLOGUE=prologue, PREFETCH=pf > 0,
-        USE_DOT=use_dot, PRECISION=dot_precision(weight.dtype), num_warps=warps, num_stages=stages, **pdl_launch(x))
+        USE_DOT=use_dot, PRECISION=dot_precision(weight.dtype), num_warps=warps,
+        num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
 
 
