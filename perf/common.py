@@ -92,7 +92,7 @@ def run_variants(names: str, make_llm, body) -> None:
     before the sweep of 2026-12-03: 128 x 64 with 8 warps),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". "default" undoes every switch and runs the
-    default again (label "default-again"): an A-B-A order shows whether a later engine in the
+    default again (label "default-again", then "default-again-2", ...): an A-B-A order shows whether a later engine in the
     process runs faster whatever it is (W2 did, by 1-3%, in calls 18 and 19). One engine is
     alive at a time: body must not keep it."""
     import gc
@@ -113,11 +113,11 @@ def run_variants(names: str, make_llm, body) -> None:
                               "oldtiles", "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, mbt<N>, "
                              "ropekernel, eagerprefill, oldtiles, nopdl, cublas or default")
-    steps, active = [("default", None)], []
+    steps, active, again = [("default", None)], [], 0
     for v in variants:
-        if v == "default":
-            active = []
-            steps.append(("default-again", v))
+        if v == "default":      # later re-runs numbered: labels name the result files
+            active, again = [], again + 1
+            steps.append(("default-again" + (f"-{again}" if again > 1 else ""), v))
             continue
         active = [a for a in active if kind(a) != kind(v) or kind(v) == v] + [v]
         steps.append(("-".join(active), v))

@@ -50,6 +50,14 @@ def test_variants_are_cumulative_and_default_restores_everything(perf_module):
     assert all(e.stopped for e in engines)
 
 
+def test_repeated_default_runs_get_labels_of_their_own(perf_module):
+    # the labels name the result files: two re-runs of the default must not share one
+    perf = perf_module("common")
+    labels = []
+    perf.run_variants("default,default", FakeLLM, lambda llm, label: labels.append(label))
+    assert labels == ["default", "default-again", "default-again-2"]
+
+
 def test_unknown_variant_is_refused_by_name(perf_module):
     perf = perf_module("common")
     with pytest.raises(SystemExit, match="'fastest'"):
