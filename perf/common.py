@@ -92,9 +92,9 @@ def run_variants(names: str, make_llm, body) -> None:
     before the sweep of 2026-12-03: 128 x 64 with 8 warps),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". "default" undoes every switch and runs the
-    default again (label "default-again", then "default-again-2", ...): an A-B-A order shows whether a later engine in the
-    process runs faster whatever it is (W2 did, by 1-3%, in calls 18 and 19). One engine is
-    alive at a time: body must not keep it."""
+    default again (label "default-again", then "default-again-2", ...): an A-B-A order shows
+    whether a later engine in the process runs faster whatever it is (W2 did, by 1-3%, in
+    calls 18 and 19). One engine is alive at a time: body must not keep it."""
     import gc
 
     import torch
