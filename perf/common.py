@@ -124,7 +124,8 @@ def run_variants(names: str, make_llm, body) -> None:
     switches = ((common, "PDL_ENABLED"), (gemv, "ENABLED"), (decode, "ROPE_IN_DECODE"),
                 (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
                 (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"))
-    initial = [getattr(mod, name) for mod, name in switches]
+    # read only for an A/B: an older engine (perf/snapshot.sh) may lack some of them
+    initial = [getattr(mod, name) for mod, name in switches] if variants else []
     overrides = {}
     for label, switch in steps:
         if switch == "default":

@@ -5,7 +5,7 @@
 # does not cost the rest.
 set -u
 cd "$(dirname "$0")/.."
-out=${OUT:-perf/logs}; mkdir -p "$out"
+out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
 run() {  # name seconds command...
@@ -102,6 +102,16 @@ for s in $stages; do
     # slower since 0142581?)
     w4inproc) run w4inproc 400 python3 perf/w4_engine_rate.py --rates 16 \
                 --ab nopdl,default,oldtiles ;;
+    # the same load (300 requests) with the switches added one by one: no PDL, then also eager
+    # single-sequence prefills, the old prefill tile, rotary + KV write in their own kernel
+    w4steps) run w4steps 360 python3 perf/w4_engine_rate.py --rates 16 --num-prompts 300 \
+               --ab nopdl,eagerprefill,oldtiles,ropekernel ;;
+    # the same 300 requests into the engine of perf/snapshot.sh's commit (.snapshot/, carried)
+    w4old) if [ -f .snapshot/COMMIT ]; then
+             (root=$PWD; cd .snapshot && PAGEDBACKEND_COMMIT=$(cat COMMIT) OUT="$out/snapshot" \
+               run w4old 170 python3 perf/w4_engine_rate.py --rates 16 --num-prompts 300 \
+                 --model-dir "$root/models/dummy/llama-3.1-8b")
+           else echo "w4old: no .snapshot/ (bash perf/snapshot.sh <commit>, then carry it)"; fi ;;
     # W4 with the repository's defaults at rates inf and 16, and offline (the server's start
     # took 64 s in call 16, which left a 250 s budget no room for the Triton runs)
     servefast) run serve 340 env RATES="inf 16" ENGINE_RATES="" SKIP_PA=1 BUDGET_S=330 \
