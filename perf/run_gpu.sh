@@ -100,16 +100,16 @@ for s in $stages; do
     # W4 at rate 16 into the engine in this process (no Triton): the engine's own TTFT/TPOT at
     # that load, default / no PDL / default again / the old prefill tile (what made rate 16
     # slower since 0142581?)
-    w4inproc) run w4inproc 400 python3 perf/w4_engine_rate.py --rates 16 \
+    w4inproc) run w4inproc 400 "$base_py" perf/w4_engine_rate.py --rates 16 \
                 --ab nopdl,default,oldtiles ;;
     # the same load (300 requests) with the switches added one by one: no PDL, then also eager
     # single-sequence prefills, the old prefill tile, rotary + KV write in their own kernel
-    w4steps) run w4steps 360 python3 perf/w4_engine_rate.py --rates 16 --num-prompts 300 \
+    w4steps) run w4steps 360 "$base_py" perf/w4_engine_rate.py --rates 16 --num-prompts 300 \
                --ab nopdl,eagerprefill,oldtiles,ropekernel ;;
     # the same 300 requests into the engine of perf/snapshot.sh's commit (.snapshot/, carried)
     w4old) if [ -f .snapshot/COMMIT ]; then
              (root=$PWD; cd .snapshot && PAGEDBACKEND_COMMIT=$(cat COMMIT) OUT="$out/snapshot" \
-               run w4old 170 python3 perf/w4_engine_rate.py --rates 16 --num-prompts 300 \
+               run w4old 170 "$base_py" perf/w4_engine_rate.py --rates 16 --num-prompts 300 \
                  --model-dir "$root/models/dummy/llama-3.1-8b")
            else echo "w4old: no .snapshot/ (bash perf/snapshot.sh <commit>, then carry it)"; fi ;;
     # W4 with the repository's defaults at rates inf and 16, and offline (the server's start
