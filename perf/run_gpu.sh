@@ -112,6 +112,18 @@ for s in $stages; do
                run w4old 170 "$base_py" perf/w4_engine_rate.py --rates 16 --num-prompts 300 \
                  --model-dir "$root/models/dummy/llama-3.1-8b")
            else echo "w4old: no .snapshot/ (bash perf/snapshot.sh <commit>, then carry it)"; fi ;;
+    # W4 through Triton at rate 16 only (ensemble, no offline run), then the same against the
+    # engine and model repository of perf/snapshot.sh's commit (.snapshot/, carried): whether
+    # the serving path, not the engine, made rate 16 slower (w4old/w4steps: the engine alone
+    # was not)
+    w4tritonab) run w4triton16 200 env RATES="16" ENGINE_RATES="" SKIP_PA=1 OFFLINE_S=0 \
+                  BUDGET_S=190 OUT="$out/w4-now" bash perf/w4_gpu.sh
+                if [ -f .snapshot/COMMIT ]; then
+                  (root=$PWD; cd .snapshot && PAGEDBACKEND_COMMIT=$(cat COMMIT) \
+                    run w4triton16old 200 env RATES="16" ENGINE_RATES="" SKIP_PA=1 OFFLINE_S=0 \
+                      BUDGET_S=190 MODEL_DIR="$root/models/dummy/llama-3.1-8b" \
+                      NAME=llama-3.1-8b OUT="$out/w4-snapshot" bash perf/w4_gpu.sh)
+                fi ;;
     # W4 with the repository's defaults at rates inf and 16, and offline (the server's start
     # took 64 s in call 16, which left a 250 s budget no room for the Triton runs)
     servefast) run serve 340 env RATES="inf 16" ENGINE_RATES="" SKIP_PA=1 BUDGET_S=330 \
