@@ -77,9 +77,9 @@ for s in $stages; do
     w2order) run w2order 330 python3 perf/w2_fixed.py --shapes 128-128 --ab default,default ;;
     w2long) run w2long 300 python3 perf/w2_fixed.py --shapes 2048-128,128-2048 ;;
     w3) run w3 120 python3 perf/w3_mix.py ;;
-    w5) run w5 300 python3 perf/w5_vs_transformers.py ;;
+    w5) run w5 300 "$base_py" perf/w5_vs_transformers.py ;;
     # the same, then our run once more under torch.profiler (where W5's time goes)
-    w5prof) run w5prof 360 python3 perf/w5_vs_transformers.py --profile ;;
+    w5prof) run w5prof 360 "$base_py" perf/w5_vs_transformers.py --profile ;;
     bench) run bench 90 python3 perf/kernels_bench.py ;;
     # the same with a tile sweep per shape (decode: W2's 512 rows x 192 tokens included)
     benchsweep) run benchsweep 200 python3 perf/kernels_bench.py --sweep ;;
