@@ -76,8 +76,8 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
 
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
            "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, ropekernel, oldtiles, "
-           "eagerprefill, nopdl, cublas; default runs the default again "
-           "(perf/common.run_variants)")
+           "eagerprefill, decode3, gridorder, nopdl, cublas; default runs the default "
+           "again (perf/common.run_variants)")
 
 
 def run_variants(names: str, make_llm, body) -> None:
@@ -89,7 +89,9 @@ def run_variants(names: str, make_llm, body) -> None:
     ropekernel (a decode step's rotary + KV write in their own kernel, not in the attention
     kernel),
     eagerprefill (no CUDA graphs for single-sequence prefills), oldtiles (the prefill tile
-    before the sweep of 2026-12-03: 128 x 64 with 8 warps),
+    before the sweep of 2026-12-03: 128 x 64 with 8 warps), decode3 (decode attention with 3
+    pipeline stages instead of 2), gridorder (decode attention starts its programs in grid
+    order, not the longest sequences first),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". "default" undoes every switch and runs the
     default again (label "default-again", then "default-again-2", ...): an A-B-A order shows
@@ -110,9 +112,10 @@ def run_variants(names: str, make_llm, body) -> None:
                      if v.startswith(p) and v[len(p):].isdigit()), v)
     for name in variants:
         if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "ropekernel", "eagerprefill",
-                              "oldtiles", "default"):
+                              "oldtiles", "decode3", "gridorder", "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, mbt<N>, "
-                             "ropekernel, eagerprefill, oldtiles, nopdl, cublas or default")
+                             "ropekernel, eagerprefill, oldtiles, decode3, gridorder, nopdl, "
+                             "cublas or default")
     steps, active, again = [("default", None)], [], 0
     for v in variants:
         if v == "default":      # later re-runs numbered: labels name the result files
@@ -122,7 +125,9 @@ def run_variants(names: str, make_llm, body) -> None:
         active = [a for a in active if kind(a) != kind(v) or kind(v) == v] + [v]
         steps.append(("-".join(active), v))
     switches = ((common, "PDL_ENABLED"), (gemv, "ENABLED"), (decode, "ROPE_IN_DECODE"),
+                (decode, "LONGEST_FIRST"),
                 (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
+                (decode, "decode_config"),
                 (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"))
     # read only for an A/B: an older engine (perf/snapshot.sh) may lack some of them
     initial = [getattr(mod, name) for mod, name in switches] if variants else []
@@ -144,6 +149,11 @@ def run_variants(names: str, make_llm, body) -> None:
             new_prefill = prefill.prefill_config
             prefill.prefill_config = lambda d: {**new_prefill(d), **(
                 dict(BLOCK_M=128, num_warps=8) if 64 < d <= 128 else {})}
+        elif switch == "gridorder":
+            decode.LONGEST_FIRST = False
+        elif switch == "decode3":
+            new_decode = decode.decode_config
+            decode.decode_config = lambda d: {**new_decode(d), "num_stages": 3}
         elif switch == "noprefetch":
             common.PREFETCH_BYTES, common.PREFETCH_PLAIN_BYTES = 0, None
         elif switch is not None and switch.startswith("pfplain"):

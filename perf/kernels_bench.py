@@ -5,7 +5,8 @@
 32 q / 8 kv heads x 128, bf16, block 16. Decode at batch 1/64/256 x context 512/2048 (GB/s of KV +
 q/out traffic vs the H200's 4.27 TB/s), prefill of 2048 tokens (alone and after a 2048 cached
 prefix; TFLOP/s of the causal attention), a mixed chunked-prefill step, KV write, RMSNorm (+residual), rotary. --sweep also
-tries a few tile configs for decode and prefill and prints the best. The table comes last.
+tries a few tile configs for decode and prefill and prints the best. Decode at mixed context
+lengths (W5's steps): grid order vs longest first, splits, stages. The table comes last.
 """
 from __future__ import annotations
 
@@ -87,6 +88,33 @@ def bench_decode(sweep):
                   f"(default {decode_config(D)})")
 
 
+def bench_decode_mixed_lengths():
+    """W5's decode steps: contexts of mixed length (uniform in [100, 2048], seed 0), where a step
+    lasts as long as its slowest programs. Each batch in grid order and longest first
+    (decode.LONGEST_FIRST), and in grid order with 2 and 4 splits and with 3 pipeline stages."""
+    import random
+    scale = D ** -0.5
+    rng = random.Random(0)
+    for b in (256, 128, 64, 32):
+        lens = [rng.randint(100, 2048) for _ in range(b)]
+        q, k, v, kc, vc, meta = random_paged_batch([1] * b, lens, BS, HQ, HKV, D, DT, DEVICE)
+        out = torch.empty_like(q)
+        part_out = torch.empty(b * HQ * 4 * D, device=DEVICE)
+        part_lse = torch.empty(b * HQ * 4, device=DEVICE)
+        gb = kv_bytes(lens) + 2 * q.numel() * 2
+        for name, splits, stages, order in (("grid order", 1, 2, None),
+                                            ("longest first", 1, 2, meta.longest_first),
+                                            ("grid order", 2, 2, None), ("grid order", 4, 2, None),
+                                            ("grid order", 1, 3, None),
+                                            ("longest first", 1, 3, meta.longest_first)):
+            t = bench(lambda: kernels.paged_decode_attention(
+                q, kc, vc, meta.block_tables, meta.seq_lens, scale, out, splits, part_out,
+                part_lse, dict(num_stages=stages), order=order))
+            row(f"decode mixed b={b} {name} s={splits} st={stages}", t, float("nan"),
+                f"{gb / (t * 1e-3) / 1e9:7.0f} GB/s ({100 * gb / (t * 1e-3) / PEAK_BW:4.1f}% "
+                f"of 4.27 TB/s), mean ctx {sum(lens) // b}")
+
+
 def bench_prefill(sweep):
     scale = D ** -0.5
     for name, qlens, slens in (("prefill 2048", [2048], [2048]),
@@ -162,15 +190,19 @@ def bench_elementwise():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also try a few tile configs")
+    ap.add_argument("--only", default="",
+                    help="comma-separated parts to run: decode, mixedlen, prefill, mixed, "
+                         "elementwise (default: all)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "kernels_bench needs a CUDA GPU"
     torch.manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"triton {triton.__version__}  SMs {num_sms(torch.cuda.current_device())}")
-    bench_decode(args.sweep)
-    bench_prefill(args.sweep)
-    bench_mixed()
-    bench_elementwise()
+    parts = {"decode": lambda: bench_decode(args.sweep), "mixedlen": bench_decode_mixed_lengths,
+             "prefill": lambda: bench_prefill(args.sweep), "mixed": bench_mixed,
+             "elementwise": bench_elementwise}
+    for name in (args.only.split(",") if args.only else parts):
+        parts[name]()
     print("\n| kernel | triton us | torch us | speed-up | |\n|---|---:|---:|---:|---|")
     for name, t, r, metric in ROWS:
         print(f"| {name} | {t * 1e3:.1f} | {r * 1e3:.1f} | {r / t:.2f}x | {metric} |")

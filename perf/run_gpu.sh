@@ -25,7 +25,7 @@ for s in $stages; do
     skinny) run skinny 300 python3 -m pytest -q tests/test_kernels.py -k "skinny or compiles" ;;
     # the decode kernel's rotary + KV write, the single-sequence prefill graphs against eager
     # steps, decode parity and the no-compile test (fresh compiles make it ~4 min)
-    attn) run attn 300 python3 -m pytest -q tests/test_kernels.py -k "rope_store or backend_rope or prefill_graph or compiles or decode_matches or prefill_matches" ;;
+    attn) run attn 300 python3 -m pytest -q tests/test_kernels.py -k "rope_store or backend_rope or prefill_graph or compiles or decode_matches or prefill_matches or longest_first" ;;
     # with the image's own python: transformers does not import under setup.sh's numpy 1.26
     correctness) run correctness 240 "$base_py" perf/gpu_correctness.py ;;
     # fp32 only (where all 256 greedy tokens must agree with transformers), ~2 min
@@ -77,6 +77,13 @@ for s in $stages; do
     w2order) run w2order 330 python3 perf/w2_fixed.py --shapes 128-128 --ab default,default ;;
     w2long) run w2long 300 python3 perf/w2_fixed.py --shapes 2048-128,128-2048 ;;
     w3) run w3 120 python3 perf/w3_mix.py ;;
+    # W5's requests into our engine alone (llama-3.1-8b, no transformers run): the default
+    # (decode programs longest first), grid order, the default again, decode attention with 3
+    # stages; one process
+    w5engine) run w5engine 300 python3 perf/w3_mix.py --model llama-3.1-8b \
+                --ab gridorder,default,decode3 ;;
+    # decode attention at W5's mixed context lengths: grid order, longest first, splits, stages
+    mixedlen) run mixedlen 120 python3 perf/kernels_bench.py --only mixedlen ;;
     w5) run w5 300 "$base_py" perf/w5_vs_transformers.py ;;
     # the same, then our run once more under torch.profiler (where W5's time goes)
     w5prof) run w5prof 360 "$base_py" perf/w5_vs_transformers.py --profile ;;

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import random
 
-from common import (LIMITS, dummy_model_dir, engine_overrides, output_tokens, print_table, timed,
-                    write_result)
+from common import (AB_HELP, LIMITS, dummy_model_dir, engine_overrides, output_tokens,
+                    print_table, run_variants, timed, write_result)
 
 
 def requests(n: int = 256, seed: int = 0):
@@ -21,7 +21,7 @@ def requests(n: int = 256, seed: int = 0):
     return prompts, params
 
 
-def run(llm, model_name: str, workload: str = "W3") -> dict:
+def run(llm, model_name: str, workload: str = "W3", suffix: str = "") -> dict:
     prompts, params = requests()
     llm.generate(prompts[:4], [p.clone(max_tokens=8) for p in params[:4]])   # warm-up
     llm.engine.timing_summary(reset=True)
@@ -33,7 +33,7 @@ def run(llm, model_name: str, workload: str = "W3") -> dict:
     res = {"requests": len(prompts), "seconds": secs, "output_tokens_per_s": tps,
            "step_split": step_split, "roofline_fraction": tps / LIMITS["W3"],
            "preemptions": llm.engine.stats().num_preemptions}
-    write_result(workload, model_name, res)
+    write_result(workload, model_name, res, suffix)
     return res
 
 
@@ -41,11 +41,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--ab", default="", help=AB_HELP)
     a = ap.parse_args()
     from pagedbackend import LLM
-    llm = LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
-              **engine_overrides(), max_num_seqs=a.max_num_seqs)
-    print_table([{"workload": "W3", "model": a.model, **run(llm, a.model)}], "W3")
+
+    def make_llm(**kw):
+        return LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
+                   **engine_overrides(), **kw, max_num_seqs=a.max_num_seqs)
+    rows = []
+
+    def body(llm, label):
+        rows.append({"workload": "W3", "model": a.model, "variant": label,
+                     **run(llm, a.model, suffix="" if label == "default" else label)})
+    run_variants(a.ab, make_llm, body)
+    print_table(rows, "W3")
 
 
 if __name__ == "__main__":

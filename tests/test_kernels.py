@@ -136,6 +136,33 @@ def test_decode_dtypes_and_padded_rows(dtype):
         assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_longest_first_order_changes_no_output_bit(splits):
+    # decode.LONGEST_FIRST only changes which programs the GPU starts first: the same bits must
+    # come out, for a decode step and for the single-query rows of a mixed step.
+    hq, hkv, d = SHAPES[2]
+    cfg = None if CUDA else dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    scale = d ** -0.5
+    for q_lens, s_lens, single_rows in (([1, 1, 1, 1], [9, 70, 1, 33], [0, 1, 2, 3]),
+                                        ([1, 5, 1], [40, 12, 7], [0, 6])):
+        b = len(s_lens)
+        q, k, v, kc, vc, meta = make_batch(q_lens, s_lens, 4, hq, hkv, d, torch.bfloat16)
+        kernels.store_kv_cache(k, v, kc, vc, meta.slot_mapping)
+        order = meta.longest_first
+        assert order.tolist() == sorted(range(b), key=lambda i: -s_lens[i])
+        mixed = meta.query_start_loc if max(q_lens) > 1 else None
+        outs = []
+        for o in (None, order, order.to(torch.int32)):
+            out = torch.full_like(q, float("nan"))
+            kernels.paged_decode_attention(
+                q, kc, vc, meta.block_tables, meta.seq_lens, scale, out, splits,
+                torch.empty(b * hq * splits * d, device=DEV),
+                torch.empty(b * hq * splits, device=DEV), cfg, mixed, order=o)
+            outs.append(out[single_rows])
+        assert not torch.isnan(outs[0]).any()
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_with_rope_store_matches_rotary_store_then_decode(dtype):
     # The decode kernel's own rotary + KV write (rope_store) against rotary_store_kv followed

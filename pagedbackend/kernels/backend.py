@@ -18,7 +18,8 @@ class TritonAttentionBackend:
     (meta.max_query_len == 1), and otherwise the prefill kernel, plus the decode kernel for the
     single-query sequences of a mixed batch (both select their sequences on the device). In a
     narrow decode step the decode kernel applies the rotary embedding and writes K/V itself
-    (decode.rope_in_decode).
+    (decode.rope_in_decode). With more than one sequence the decode kernel starts the longest
+    sequences' programs first (decode.LONGEST_FIRST).
 
     Decode is CUDA-graph safe: it reads only host fields of meta (shapes, max_seq_len), launches
     grids that depend on the batch size and the split count alone, and uses split-KV scratch
@@ -79,14 +80,16 @@ class TritonAttentionBackend:
             part_out = part_lse = None
             if splits > 1:
                 part_out, part_lse = self._split_scratch(q, hkv, splits, b)
+            order = meta.longest_first if decode.LONGEST_FIRST and b > 1 else None
             if decode_only:
                 paged_decode_attention(q[:b], k_cache, v_cache, meta.block_tables,
                                        meta.seq_lens, scale, out[:b], splits, part_out,
-                                       part_lse, self.decode_config, rope_store=rope_store)
+                                       part_lse, self.decode_config, rope_store=rope_store,
+                                       order=order)
             else:
                 paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        scale, out, splits, part_out, part_lse,
-                                       self.decode_config, meta.query_start_loc)
+                                       self.decode_config, meta.query_start_loc, order=order)
         if not decode_only:
             paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, scale, out, self.prefill_config,

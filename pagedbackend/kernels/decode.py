@@ -39,6 +39,15 @@ MIN_TOKENS_PER_SPLIT = 128
 ROPE_IN_DECODE = os.environ.get("PAGEDBACKEND_ROPE_IN_DECODE", "1") != "0"
 
 
+# A decode step lasts as long as its slowest program. The GPU starts a kernel's programs in grid
+# order, so with contexts of mixed length (W5: 100 to 2,048 tokens) a long sequence whose
+# programs start in the last wave keeps the step going after the rest of the GPU has drained.
+# With LONGEST_FIRST the programs of the longest sequences start first (a sort of seq_lens once
+# per step, AttentionMetadata.longest_first), and short ones fill the tail.
+# PAGEDBACKEND_LONGEST_FIRST=0 keeps the plain order (A/B).
+LONGEST_FIRST = os.environ.get("PAGEDBACKEND_LONGEST_FIRST", "1") != "0"
+
+
 def rope_in_decode(num_seqs: int, num_kv_heads: int, sms: int) -> bool:
     """Whether a decode step of num_seqs sequences rotates and writes K/V in the attention
     kernel (rope_store) rather than in rotary_store_kv first."""
@@ -109,7 +118,7 @@ def _rope_and_store(q, q_at, k_new, v_new, pos, cos_sin_ptr, stride_c, slot, k_b
 # multiple of 16 would compile a variant of its own in the middle of serving.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                   query_start_loc_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+                   query_start_loc_ptr, order_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                    new_k_ptr, new_v_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
                    scale_log2, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -117,10 +126,18 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                   MIXED: tl.constexpr, ROPE: tl.constexpr, USE_PDL: tl.constexpr):
+                   MIXED: tl.constexpr, ROPE: tl.constexpr, ORDERED: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if ORDERED:
+        # the GPU starts programs in grid order: the KV heads of order[0] (the longest
+        # sequence) first, then order[1]'s, ... so the longest programs do not start last
+        lin = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        seq = tl.load(order_ptr + lin // (NUM_Q_HEADS // GROUP))
+        kvh = lin % (NUM_Q_HEADS // GROUP)
+    else:
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     q_row = seq.to(tl.int64)
     if MIXED:
@@ -228,7 +245,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            part_lse: torch.Tensor | None = None,
                            config: dict | None = None,
                            query_start_loc: torch.Tensor | None = None,
-                           rope_store: tuple | None = None) -> torch.Tensor:
+                           rope_store: tuple | None = None,
+                           order: torch.Tensor | None = None) -> torch.Tensor:
     """q/out [B, Hq, D] (row b is sequence b's single query); caches [N, block_size, Hkv, D].
 
     With query_start_loc (a mixed batch, q/out [T, Hq, D]) only sequences with exactly one query
@@ -242,6 +260,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kernel rotates q in registers (q itself is left as it was) and writes rotated k and v at
     slot_mapping (-1: nowhere) before reading them back: the work of rotary_store_kv without
     its launch (see ROPE_IN_DECODE).
+
+    order ([B] int32/int64, a permutation of the sequences, e.g. meta.longest_first): the
+    programs of order[0] are started first, then order[1]'s, ... (see LONGEST_FIRST). The
+    result is the same in any order.
     """
     hq, d = q.shape[1:]
     b = seq_lens.shape[0]
@@ -267,9 +289,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                         cos_sin.stride(0))
     else:
         rope_args, rope_strides = (seq_lens,) * 5, (0,) * 5
+    if order is not None:
+        assert order.shape == (b,) and order.dtype in (torch.int32, torch.int64)
     _decode_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc if mixed else seq_lens,
-        out, part_out, part_lse, *rope_args,
+        order if order is not None else seq_lens, out, part_out, part_lse, *rope_args,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -278,7 +302,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_Q_HEADS=hq, GROUP=group, BLOCK_G=next_pow2(group, 16),
         HEAD_DIM=d, BLOCK_D=next_pow2(d, 16), BLOCK_SIZE=k_cache.shape[1],
         BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, PRECISION=dot_precision(q.dtype),
-        MIXED=mixed, ROPE=rope_store is not None, num_warps=cfg["num_warps"],
+        MIXED=mixed, ROPE=rope_store is not None, ORDERED=order is not None,
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_launch(q))
     if num_splits > 1:
         _merge_splits_kernel[(b, hq)](

@@ -50,6 +50,12 @@ class AttentionMetadata:
     def has_single_queries(self) -> bool:
         return 1 in self.query_lens_cpu
 
+    @functools.cached_property
+    def longest_first(self) -> torch.Tensor:
+        """The sequences' indices by context length, longest first (int64, on seq_lens'
+        device): the decode kernel's program order (kernels.decode.LONGEST_FIRST)."""
+        return torch.sort(self.seq_lens, descending=True).indices
+
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
