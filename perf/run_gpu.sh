@@ -26,6 +26,8 @@ for s in $stages; do
     # the decode kernel's rotary + KV write, the single-sequence prefill graphs against eager
     # steps, decode parity and the no-compile test (fresh compiles make it ~4 min)
     attn) run attn 300 python3 -m pytest -q tests/test_kernels.py -k "rope_store or backend_rope or prefill_graph or compiles or decode_matches or prefill_matches or longest_first" ;;
+    # the no-compile-after-warm-up test (graphs and eager) and the decode program order, ~2 min
+    compiles) run compiles 160 python3 -m pytest -q tests/test_kernels.py -k "compiles or longest_first" ;;
     # with the image's own python: transformers does not import under setup.sh's numpy 1.26
     correctness) run correctness 240 "$base_py" perf/gpu_correctness.py ;;
     # fp32 only (where all 256 greedy tokens must agree with transformers), ~2 min

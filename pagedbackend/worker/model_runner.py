@@ -173,9 +173,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self, max_model_len: int = 1 << 30) -> None:
-        """Run eager steps of every shape class (decode rows alone, prefill alone, both mixed;
-        token counts of 1, a multiple of 16 and neither; short contexts and ~300-token ones,
-        where decode rows of a small batch split the KV) so each triton kernel variant is
+        """Run eager steps of every shape class (one decode row, decode rows alone, prefill
+        alone, both mixed; token counts of 1, a multiple of 16 and neither; short contexts and
+        ~300-token ones, where decode rows of a small batch split the KV; one decode row has
+        a decode kernel variant of its own: no program order) so each triton kernel variant is
         compiled at start: a first compile in the middle of serving stalls every request for
         about a second. Eager even where a step of that shape would replay a graph (the
         graphs' own variants were built when they were captured). Writes only scratch K/V into
@@ -183,7 +184,7 @@ class ModelRunner:
         bs = self.block_size
         longest = min(300, max_model_len - 20, self.num_kv_blocks * bs // 4 - 20)
         for start in sorted({3, max(3, longest)}):
-            for q_lens in ([1, 1], [17], [16], [1, 17], [1, 1, 16], [3, 1]):
+            for q_lens in ([1], [1, 1], [17], [16], [1, 17], [1, 1, 16], [3, 1]):
                 n = len(q_lens)
                 starts = np.full(n, start, dtype=np.int64)
                 q = np.array(q_lens, dtype=np.int64)
