@@ -176,15 +176,23 @@ class ModelRunner:
         """Run eager steps of every shape class (one decode row, decode rows alone, prefill
         alone, both mixed; token counts of 1, a multiple of 16 and neither; short contexts and
         ~300-token ones, where decode rows of a small batch split the KV; one decode row has
-        a decode kernel variant of its own: no program order) so each triton kernel variant is
+        a decode kernel variant of its own: no program order; and one decode step wider than
+        one (sequence, kv head) per SM, whose rotary + KV write run in their own kernel, which
+        graphs capture at start but enforce_eager does not) so each triton kernel variant is
         compiled at start: a first compile in the middle of serving stalls every request for
         about a second. Eager even where a step of that shape would replay a graph (the
         graphs' own variants were built when they were captured). Writes only scratch K/V into
         blocks no request owns yet."""
+        from pagedbackend.kernels.common import num_sms
         bs = self.block_size
         longest = min(300, max_model_len - 20, self.num_kv_blocks * bs // 4 - 20)
+        index = self.device.index
+        if self.device.type == "cuda" and index is None:
+            index = torch.cuda.current_device()
+        wide = min(self.config.max_num_seqs,
+                   num_sms(index) // max(self.model.num_kv_heads, 1) + 1)
         for start in sorted({3, max(3, longest)}):
-            for q_lens in ([1], [1, 1], [17], [16], [1, 17], [1, 1, 16], [3, 1]):
+            for q_lens in ([1], [1, 1], [1] * wide, [17], [16], [1, 17], [1, 1, 16], [3, 1]):
                 n = len(q_lens)
                 starts = np.full(n, start, dtype=np.int64)
                 q = np.array(q_lens, dtype=np.int64)
