@@ -571,8 +571,9 @@ def test_compile_watch_records_only_while_armed(monkeypatch):
 @pytest.mark.parametrize("eager", [False, True])
 def test_no_kernel_compiles_after_warmup(tmp_path, eager):
     """Requests arriving while others decode (mixed steps of every size, contexts from 1 to ~900
-    tokens, block-table widths 1 to 60, prefix hits): every kernel variant they need was built
-    by the engine's warm-up, so nothing compiles (and stalls everyone) in the middle of serving."""
+    tokens, block-table widths 1 to 60, prefix hits), then a burst wider than one (sequence,
+    kv head) per SM: every kernel variant they need was built by the engine's warm-up, so
+    nothing compiles (and stalls everyone) in the middle of serving."""
     import random
 
     from pagedbackend import LLM, SamplingParams
@@ -584,7 +585,7 @@ def test_no_kernel_compiles_after_warmup(tmp_path, eager):
     cfg = dict(TINY_CONFIGS["llama"], architectures=["LlamaForCausalLM"], model_type="llama",
                max_position_embeddings=2048)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    llm = LLM(str(tmp_path), dtype="bfloat16", max_num_seqs=32, max_model_len=1024,
+    llm = LLM(str(tmp_path), dtype="bfloat16", max_num_seqs=160, max_model_len=1024,
               num_kv_blocks=4096, enforce_eager=eager, load_format="dummy")
     engine = llm.engine
     before = len(COMPILES.after_arm)
@@ -599,6 +600,16 @@ def test_no_kernel_compiles_after_warmup(tmp_path, eager):
                                           ignore_eos=True))
         for _ in range(rng.choice([0, 1, 3, 12])):
             engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    # then decode steps wider than one (sequence, kv head) per SM, whose rotary + KV write run
+    # in their own kernel
+    from pagedbackend.kernels.common import num_sms
+    wide = num_sms(torch.cuda.current_device()) // cfg["num_key_value_heads"] + 1
+    for i in range(wide):
+        engine.add_request(f"w{i}", {"prompt_token_ids": [rng.randrange(1, 150)
+                                                          for _ in range(5)]},
+                           SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
     assert COMPILES.armed and COMPILES.after_arm[before:] == []
