@@ -107,8 +107,7 @@ for s in $stages; do
                NAME=llama-3.1-8b-budget500 EXTRA_SETTINGS="max_responses_per_s=500" \
                BUDGET_S=160 OUT="$out/w4-budget500" bash perf/w4_gpu.sh ;;
     # W4 at rate 16 into the engine in this process (no Triton): the engine's own TTFT/TPOT at
-    # that load, default / no PDL / default again / the old prefill tile (what made rate 16
-    # slower since 0142581?)
+    # that load, default / no PDL / default again / the old prefill tile
     w4inproc) run w4inproc 400 "$base_py" perf/w4_engine_rate.py --rates 16 \
                 --ab nopdl,default,oldtiles ;;
     # the same load (300 requests) with the switches added one by one: no PDL, then also eager
@@ -122,9 +121,8 @@ for s in $stages; do
                  --model-dir "$root/models/dummy/llama-3.1-8b")
            else echo "w4old: no .snapshot/ (bash perf/snapshot.sh <commit>, then carry it)"; fi ;;
     # W4 through Triton at rate 16 only (ensemble, no offline run), then the same against the
-    # engine and model repository of perf/snapshot.sh's commit (.snapshot/, carried): whether
-    # the serving path, not the engine, made rate 16 slower (w4old/w4steps: the engine alone
-    # was not)
+    # engine and model repository of perf/snapshot.sh's commit (.snapshot/, carried); calls
+    # 24-25 compared 0142581 this way
     w4tritonab) run w4triton16 200 env RATES="16" ENGINE_RATES="" SKIP_PA=1 OFFLINE_S=0 \
                   BUDGET_S=190 OUT="$out/w4-now" bash perf/w4_gpu.sh
                 if [ -f .snapshot/COMMIT ]; then

@@ -4,7 +4,8 @@
 #   bash perf/snapshot.sh 0142581     # writes .snapshot/ (ignored): carry it to the device
 #   bash perf/run_gpu.sh w4old ...    # runs today's perf/ scripts against that engine
 # .snapshot/ holds pagedbackend/ and model_repository/ at <commit>, copies of today's perf/ and
-# client/ (the load generators stay the same on both sides) and COMMIT. Only scripts that use no A/B switch (--ab) run against an older engine.
+# client/ (the load generators stay the same on both sides) and COMMIT. Only scripts that use
+# no A/B switch (--ab) run against an older engine.
 set -eu
 cd "$(dirname "$0")/.."
 rev=$(git rev-parse --verify "${1:?usage: perf/snapshot.sh <commit>}^{commit}")

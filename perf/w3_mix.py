@@ -51,8 +51,9 @@ def main():
     rows = []
 
     def body(llm, label):
+        res = run(llm, a.model, suffix="" if label == "default" else label)
         rows.append({"workload": "W3", "model": a.model, "variant": label,
-                     **run(llm, a.model, suffix="" if label == "default" else label)})
+                     **{k: v for k, v in res.items() if k != "step_split"}})   # in the JSON
     run_variants(a.ab, make_llm, body)
     print_table(rows, "W3")
 

@@ -62,3 +62,20 @@ def test_unknown_variant_is_refused_by_name(perf_module):
     perf = perf_module("common")
     with pytest.raises(SystemExit, match="'fastest'"):
         perf.run_variants("fastest", FakeLLM, lambda llm, label: None)
+
+
+def test_decode_switches_are_set_and_restored(perf_module):
+    # gridorder and decode3 change the decode kernel's program order and pipeline depth for
+    # the engines after them; default puts both back
+    from pagedbackend.kernels import decode
+    perf = perf_module("common")
+    start = (decode.LONGEST_FIRST, decode.decode_config)
+    stages = decode.decode_config(128)["num_stages"]
+    seen = []
+    try:
+        perf.run_variants("gridorder,decode3,default", FakeLLM, lambda llm, label: seen.append(
+            (label, decode.LONGEST_FIRST, decode.decode_config(128)["num_stages"])))
+    finally:
+        decode.LONGEST_FIRST, decode.decode_config = start
+    assert seen == [("default", start[0], stages), ("gridorder", False, stages),
+                    ("gridorder-decode3", False, 3), ("default-again", start[0], stages)]

@@ -173,15 +173,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self, max_model_len: int = 1 << 30) -> None:
-        """Run eager steps of every shape class (one decode row, decode rows alone, prefill
-        alone, both mixed; token counts of 1, a multiple of 16 and neither; short contexts and
-        ~300-token ones, where decode rows of a small batch split the KV; one decode row has
-        a decode kernel variant of its own: no program order; and one decode step wider than
-        one (sequence, kv head) per SM, whose rotary + KV write run in their own kernel, which
-        graphs capture at start but enforce_eager does not) so each triton kernel variant is
-        compiled at start: a first compile in the middle of serving stalls every request for
-        about a second. Eager even where a step of that shape would replay a graph (the
-        graphs' own variants were built when they were captured). Writes only scratch K/V into
+        """Run eager steps of every shape class so each triton kernel variant is compiled at
+        start: a first compile in the middle of serving stalls every request for about a
+        second. The classes: decode rows alone, prefill alone, both mixed; token counts of 1,
+        a multiple of 16 and neither; short contexts and ~300-token ones (where decode rows
+        of a small batch split the KV); one decode row (no program order, see
+        decode.LONGEST_FIRST) and a decode step wider than one (sequence, kv head) per SM
+        (rotary + KV write in their own kernel, see decode.rope_in_decode). Eager even where
+        a step of that shape would replay a graph (the graphs' own variants were built when
+        they were captured; with enforce_eager there are none). Writes only scratch K/V into
         blocks no request owns yet."""
         from pagedbackend.kernels.common import num_sms
         bs = self.block_size
