@@ -84,6 +84,10 @@ for s in $stages; do
     # stages; one process
     w5engine) run w5engine 300 python3 perf/w3_mix.py --model llama-3.1-8b \
                 --ab gridorder,default,decode3 ;;
+    # the longest-first decode order against grid order, A-B-A, on W2 (equal lengths: only the
+    # sort's cost) and on W3 (qwen3-0.6b, mixed lengths)
+    w2lpt) run w2lpt 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab gridorder,default ;;
+    w3lpt) run w3lpt 200 python3 perf/w3_mix.py --ab gridorder,default ;;
     # decode attention at W5's mixed context lengths: grid order, longest first, splits, stages
     mixedlen) run mixedlen 120 python3 perf/kernels_bench.py --only mixedlen ;;
     w5) run w5 300 "$base_py" perf/w5_vs_transformers.py ;;
