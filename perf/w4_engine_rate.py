@@ -63,6 +63,14 @@ def replay(engine, samples, rate: float, seed: int, salt: str) -> tuple[dict, li
     return summarize(traces, samples), traces
 
 
+def eager_share(split: dict):
+    """The fraction of steps launched kernel by kernel (no CUDA graph), or None."""
+    paths = split.get("path_steps")
+    if not paths or not sum(paths.values()):
+        return None
+    return round((paths["eager"] + paths["mixed_eager"]) / sum(paths.values()), 3)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", default=os.path.join(ROOT, "models", "dummy", "llama-3.1-8b"))
@@ -111,7 +119,8 @@ def main():
                          "ttft_med_ms": res["median_ttft_ms"], "ttft_p99_ms": res["p99_ttft_ms"],
                          "tpot_med_ms": res["median_tpot_ms"], "itl_p99_ms": res["p99_itl_ms"],
                          "step_ms": split.get("step_ms"),
-                         "tokens_per_step": split.get("tokens_per_step")})
+                         "tokens_per_step": split.get("tokens_per_step"),
+                         "eager_steps": eager_share(split)})
     run_variants(a.ab, make_llm, body)
     print_table(rows, f"W4 in process, engine only ({a.name})")
 

@@ -154,3 +154,24 @@ def test_warmup_scratch_writes_do_not_change_outputs(tiny_dir):
     llm = LLM(tiny_dir, dtype="float32", block_size=4, num_kv_blocks=64)
     llm.engine.runner.warmup()
     assert tokens(llm.generate(batch, params)) == ref
+
+
+def test_timing_summary_counts_steps_by_path(tiny_dir):
+    """The step split says how each step ran: on the CPU (no graphs) a step of decode rows
+    alone is "eager", one where a new prompt joins running decodes is "mixed_eager"; the
+    counts add up to the steps timed and reset with the rest."""
+    llm = LLM(tiny_dir, dtype="float32", block_size=4, num_kv_blocks=64)
+    eng = llm.engine
+    eng.timing_summary(reset=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    eng.add_request("a", {"prompt_token_ids": [3, 4, 5, 6, 7]}, params)
+    for _ in range(3):
+        eng.step()
+    eng.add_request("b", {"prompt_token_ids": [8, 9, 10, 11]}, params)
+    drain(eng)
+    split = eng.timing_summary(reset=True)
+    paths = split["path_steps"]
+    assert paths["decode_graph"] == paths["prefill_graph"] == 0
+    assert paths["mixed_eager"] >= 1 and paths["eager"] >= 3
+    assert sum(paths.values()) == split["steps"]
+    assert set(eng.timing_summary()["path_steps"].values()) == {0}

@@ -373,7 +373,8 @@ def test_real_async_engine_behind_the_loop_streams_and_cancels(tmp_path):
 def test_each_busy_period_is_reported_once_from_the_sender_thread():
     class TimedEngine(FakeEngine):
         def timing_summary(self, reset=False):
-            return {"steps": self.steps, "host_ms": 0.5, "note": "not a number"}
+            return {"steps": self.steps, "host_ms": 0.5, "note": "not a number",
+                    "path_steps": {"decode_graph": 3, "mixed_eager": 1}}
 
         def step(self):
             if self.steps % 2 == 0:     # slow steps in each period: the slowest is named
@@ -403,5 +404,6 @@ def test_each_busy_period_is_reported_once_from_the_sender_thread():
         assert m and 4 <= int(m.group(1)) <= 6, line
         assert "engine step split: steps " in line and "host_ms 0.5" in line
         assert "not a number" not in line
+        assert line.endswith("; steps by path: decode_graph 3, mixed_eager 1"), line
         slow = re.search(r"slowest step ([0-9.]+) ms at \+([0-9.]+) s", line)
         assert slow and float(slow.group(1)) >= 120 and float(slow.group(2)) < 5, line

@@ -45,9 +45,11 @@ class StepTiming:
         self.execute_s += t2 - t1
         self.postprocess_s += t3 - t2
 
-    def summary(self, sync_wait_s: float, gpu_busy_s: float = 0.0) -> dict:
+    def summary(self, sync_wait_s: float, gpu_busy_s: float = 0.0,
+                path_steps: Optional[dict] = None) -> dict:
         """Per-step means. gpu_busy_ms (CUDA) is the device time from a step's first upload to
-        its ids being copied out; gpu_idle_fraction = 1 - busy / wall over the steps timed."""
+        its ids being copied out; gpu_idle_fraction = 1 - busy / wall over the steps timed;
+        path_steps: the runner's step counts by path (model_runner.new_path_steps)."""
         n = max(1, self.steps)
         host = self.schedule_s + self.execute_s + self.postprocess_s - sync_wait_s
         return {"steps": self.steps, "tokens_per_step": self.tokens / n,
@@ -58,7 +60,8 @@ class StepTiming:
                 "gpu_wait_ms": sync_wait_s / n * 1e3, "host_ms": host / n * 1e3,
                 "gpu_busy_ms": gpu_busy_s / n * 1e3,
                 "gpu_idle_fraction": (max(0.0, 1 - gpu_busy_s / self.wall_s)
-                                      if gpu_busy_s and self.wall_s else None)}
+                                      if gpu_busy_s and self.wall_s else None),
+                **({"path_steps": dict(path_steps)} if path_steps is not None else {})}
 
 
 @dataclass
@@ -110,11 +113,14 @@ class LLMEngine:
     def timing_summary(self, reset: bool = False) -> dict:
         """Mean per-step split: host work vs waiting for the GPU at the one sync."""
         out = self.timing.summary(getattr(self.runner, "sync_wait_s", 0.0),
-                                  getattr(self.runner, "gpu_busy_s", 0.0))
+                                  getattr(self.runner, "gpu_busy_s", 0.0),
+                                  getattr(self.runner, "path_steps", None))
         if reset:
             self.timing = StepTiming()
             self.runner.sync_wait_s = 0.0
             self.runner.gpu_busy_s = 0.0
+            if hasattr(self.runner, "path_steps"):
+                self.runner.path_steps = dict.fromkeys(self.runner.path_steps, 0)
         return out
 
     # -- requests ------------------------------------------------------------------------

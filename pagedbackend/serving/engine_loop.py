@@ -248,6 +248,9 @@ class EngineLoop:
                 split = summary(reset=True)
                 line += "; engine step split: " + ", ".join(
                     f"{k} {v:.3g}" for k, v in split.items() if isinstance(v, (int, float)))
+                if split.get("path_steps"):
+                    line += "; steps by path: " + ", ".join(
+                        f"{k} {v}" for k, v in split["path_steps"].items())
             except Exception as e:  # noqa: BLE001 - a note must never stop the loop
                 line += f"; no step split ({type(e).__name__})"
         self._notes.put(line)

@@ -84,6 +84,15 @@ def make_attn_backend(device: torch.device):
     return TorchAttentionBackend()
 
 
+def new_path_steps() -> dict[str, int]:
+    """Step counts by path: decode_graph / prefill_graph (a CUDA graph replayed), mixed_eager
+    (decode rows and prefill tokens in one step: launched kernel by kernel), eager (the
+    rest: prefill-only steps no graph takes, and every step without graphs). Each kernel of
+    an eager step is a launch from Python, so a serving load whose steps are mostly eager is
+    bound by the host (W4: a request arriving while others decode makes a mixed step)."""
+    return {"decode_graph": 0, "prefill_graph": 0, "mixed_eager": 0, "eager": 0}
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: dict, device: str, dtype: str,
                  tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None):
@@ -108,6 +117,7 @@ class ModelRunner:
         self.prefill_graphs: Optional[PrefillGraphs] = None
         self.sync_wait_s = 0.0      # time spent waiting for the GPU at the per-step sync
         self.gpu_busy_s = 0.0       # CUDA: sum of (first upload -> ids copied) per step
+        self.path_steps = new_path_steps()   # steps by how forward_logits ran them
         self.prev_sampled: Optional[torch.Tensor] = None    # the last launch's sampled ids
         self.prev_rows: dict[str, int] = {}                 # request id -> row in them
 
@@ -285,6 +295,7 @@ class ModelRunner:
         sampling)."""
         if graphs and self.graphs is not None and h.decode_only \
                 and self.graphs.bucket(len(h.tokens)):
+            self.path_steps["decode_graph"] += 1
             # The graph's static int32 buffers take the int64 uploads by copy (no casts here).
             tokens, positions, slots, _, seq_lens, table, rows = self._upload_step(h)
             logits = self.graphs.run(tokens, positions, slots, seq_lens, table)
@@ -293,8 +304,11 @@ class ModelRunner:
             return logits if len(h.sample_rows) == len(h.tokens) else logits.index_select(0, rows)
         if graphs and self.prefill_graphs is not None and len(h.q_lens) == 1 \
                 and h.sample_rows and self.prefill_graphs.bucket(len(h.tokens)):
+            self.path_steps["prefill_graph"] += 1
             tokens, positions, slots, _, seq_lens, table, rows = self._upload_step(h)
             return self.prefill_graphs.run(tokens, positions, slots, seq_lens, table, rows)
+        mixed = not h.decode_only and bool((h.q_lens == 1).any())
+        self.path_steps["mixed_eager" if mixed else "eager"] += 1
         inputs = self.to_device(h)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         if not h.sample_rows:
