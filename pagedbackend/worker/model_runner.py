@@ -218,6 +218,7 @@ class ModelRunner:
                     # (the sampler's path when penalties or random rows share the step)
                     argmax(logits)
                     argmax(logits.float())
+        self.path_steps = new_path_steps()      # the warm-up's steps are not the engine's
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
