@@ -196,11 +196,9 @@ class ModelRunner:
         from pagedbackend.kernels.common import num_sms
         bs = self.block_size
         longest = min(300, max_model_len - 20, self.num_kv_blocks * bs // 4 - 20)
-        index = self.device.index
-        if self.device.type == "cuda" and index is None:
-            index = torch.cuda.current_device()
+        k_cache = self.kv_caches[0][0]      # what the attention backend decides from
         wide = min(self.config.max_num_seqs,
-                   num_sms(index) // max(self.model.num_kv_heads, 1) + 1)
+                   num_sms(k_cache.device.index) // k_cache.shape[2] + 1)
         for start in sorted({3, max(3, longest)}):
             for q_lens in ([1], [1, 1], [1] * wide, [17], [16], [1, 17], [1, 1, 16], [3, 1]):
                 n = len(q_lens)
