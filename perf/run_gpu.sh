@@ -14,6 +14,13 @@ run() {  # name seconds command...
   timeout "$secs" "$@" > "$out/$name.log" 2>&1; local rc=$?
   tail -n 25 "$out/$name.log"; echo "=== $name rc=$rc"
 }
+in_snapshot() {  # name seconds command...: run in .snapshot/ (perf/snapshot.sh, carried), its
+  # commit recorded in the results; arguments expand here, so $PWD paths name this checkout
+  if [ ! -f .snapshot/COMMIT ]; then
+    echo "$1: no .snapshot/ (bash perf/snapshot.sh <commit>, then carry it)"; return
+  fi
+  (cd .snapshot && PAGEDBACKEND_COMMIT=$(cat COMMIT) run "$@")
+}
 base_py=$(PATH=${PATH#/tmp/tsenv/bin:} command -v python3)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 for s in $stages; do
@@ -119,22 +126,16 @@ for s in $stages; do
     w4steps) run w4steps 360 "$base_py" perf/w4_engine_rate.py --rates 16 --num-prompts 300 \
                --ab nopdl,eagerprefill,oldtiles,ropekernel ;;
     # the same 300 requests into the engine of perf/snapshot.sh's commit (.snapshot/, carried)
-    w4old) if [ -f .snapshot/COMMIT ]; then
-             (root=$PWD; cd .snapshot && PAGEDBACKEND_COMMIT=$(cat COMMIT) OUT="$out/snapshot" \
-               run w4old 170 "$base_py" perf/w4_engine_rate.py --rates 16 --num-prompts 300 \
-                 --model-dir "$root/models/dummy/llama-3.1-8b")
-           else echo "w4old: no .snapshot/ (bash perf/snapshot.sh <commit>, then carry it)"; fi ;;
+    w4old) OUT="$out/snapshot" in_snapshot w4old 170 "$base_py" perf/w4_engine_rate.py \
+             --rates 16 --num-prompts 300 --model-dir "$PWD/models/dummy/llama-3.1-8b" ;;
     # W4 through Triton at rate 16 only (ensemble, no offline run), then the same against the
     # engine and model repository of perf/snapshot.sh's commit (.snapshot/, carried); calls
     # 24-25 compared 0142581 this way
     w4tritonab) run w4triton16 200 env RATES="16" ENGINE_RATES="" SKIP_PA=1 OFFLINE_S=0 \
                   BUDGET_S=190 OUT="$out/w4-now" bash perf/w4_gpu.sh
-                if [ -f .snapshot/COMMIT ]; then
-                  (root=$PWD; cd .snapshot && PAGEDBACKEND_COMMIT=$(cat COMMIT) \
-                    run w4triton16old 200 env RATES="16" ENGINE_RATES="" SKIP_PA=1 OFFLINE_S=0 \
-                      BUDGET_S=190 MODEL_DIR="$root/models/dummy/llama-3.1-8b" \
-                      NAME=llama-3.1-8b OUT="$out/w4-snapshot" bash perf/w4_gpu.sh)
-                fi ;;
+                in_snapshot w4triton16old 200 env RATES="16" ENGINE_RATES="" SKIP_PA=1 \
+                  OFFLINE_S=0 BUDGET_S=190 MODEL_DIR="$PWD/models/dummy/llama-3.1-8b" \
+                  NAME=llama-3.1-8b OUT="$out/w4-snapshot" bash perf/w4_gpu.sh ;;
     # W4 with the repository's defaults at rates inf and 16, and offline (the server's start
     # took 64 s in call 16, which left a 250 s budget no room for the Triton runs)
     servefast) run serve 340 env RATES="inf 16" ENGINE_RATES="" SKIP_PA=1 BUDGET_S=330 \
