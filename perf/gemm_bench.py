@@ -6,6 +6,8 @@ Each GEMM is timed inside a CUDA graph with the L2 cache flushed before it (the 
 `_time_us`), so the figures are device time as a decode step replays it. Prints µs and TFLOP/s
 per projection and row count, and for each row count the whole model's GEMM time per token:
 the bound the GEMMs put on W2's throughput (a step of M rows needs at least this much).
+At small row counts (`--rows 8,16,32,64`: W4's and W5's narrow steps) the weights' bytes set the
+time, so each figure also has its TB/s (weights + input + output bytes) against HBM's 4.27.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pagedbackend.kernels import gemv  # noqa: E402
 from pagedbackend.kernels.gemv import _time_us  # noqa: E402
 
 LAYERS = 32
@@ -30,6 +33,9 @@ SHAPES = (("qkv", 6144, 4096, LAYERS), ("o_proj", 4096, 4096, LAYERS),
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="64,128,256,384,512,768,1024,2048,4096,8192")
+    ap.add_argument("--triton", action="store_true",
+                    help="also time the skinny kernel's tensor-core tiles (rows <= "
+                         f"{gemv.MAX_DOT_ROWS}, plain prologue) and print the best beside cuBLAS")
     a = ap.parse_args()
     rows = [int(r) for r in a.rows.split(",")]
     weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -42,7 +48,12 @@ def main():
             w = weights[name]
             us = _time_us(lambda: F.linear(x, w))
             tflops = 2 * m * n * k / (us * 1e-6) / 1e12
-            line.append(f"{name} {us:8.1f} us {tflops:5.0f} TF/s")
+            tbps = (n * k + m * (n + k)) * 2 / (us * 1e-6) / 1e12   # bytes moved at least
+            line.append(f"{name} {us:8.1f} us {tflops:5.0f} TF/s {tbps:4.2f} TB/s")
+            if a.triton and m <= gemv.MAX_DOT_ROWS:
+                best = min((_time_us(lambda c=c: gemv.skinny_linear(x, w, None, c)), c)
+                           for c in gemv.DOT_CANDIDATES)
+                line.append(f"(triton {best[0]:.1f} {best[1][:4]})")
             per_token_us += us * count / m
         # lm_head runs for every decode row; prefill rows only need it for their last token
         table.append((m, per_token_us))

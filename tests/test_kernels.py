@@ -371,11 +371,13 @@ def test_silu_and_mul_matches_reference(dtype):
 def test_skinny_linear_matches_reference(cfg, dtype):
     from pagedbackend.kernels import common
     from pagedbackend.kernels.common import pdl_active, prefetch_programs
-    from pagedbackend.kernels.gemv import skinny_linear
+    from pagedbackend.kernels.gemv import MAX_DOT_ROWS, skinny_linear
     # one shape with N and K multiples of every tile, one with ragged N and K (masked tails)
     shapes = [(6144, 4096), (1000, 1100)] if CUDA else [(64, 256), (40, 100)]
+    # the tensor-core tiles also take wider inputs (a 32- and a 64-row tile)
+    rows = (1, 3, 4) + ((17, MAX_DOT_ROWS) if len(cfg) > 4 else ())
     for n, k in shapes:
-        for m in (1, 3, 4):
+        for m in rows:
             x = torch.randn(m, k, device=DEV).to(dtype)
             w = (torch.randn(n, k, device=DEV) / k ** 0.5).to(dtype)
             b = torch.randn(n, device=DEV).to(dtype) if m == 3 else None

@@ -48,6 +48,10 @@ CANDIDATES = ((8, 1024, 4, 3), (16, 512, 4, 3), (16, 512, 4, 4), (32, 256, 4, 4)
 # still scales the finished products). Marked by a fifth element.
 DOT_CANDIDATES = ((16, 256, 4, 4, True), (32, 256, 4, 4, True), (64, 128, 4, 4, True),
                   (32, 128, 4, 6, True))
+# The tensor-core tiles compute any row count up to this (BLOCK_M = rows rounded up to a power
+# of two, at least 16); the engine hands the kernel at most MAX_ROWS. perf/gemm_bench.py
+# --triton times them against cuBLAS at wider steps.
+MAX_DOT_ROWS = 64
 MARGIN = 0.97      # the kernel must take < 97% of cuBLAS's time to replace it
 ENABLED = os.environ.get("PAGEDBACKEND_SKINNY_GEMM", "1") != "0"
 
@@ -162,20 +166,21 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   config: tuple, prologue: int = PLAIN,
                   residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                   eps: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (M <= MAX_ROWS, rows contiguous), weight [N, K] contiguous, bias [N] or None ->
-    [M, N] in x's dtype, with one of CANDIDATES or DOT_CANDIDATES as the tile.
+    """x [M, K] (M <= MAX_ROWS, or MAX_DOT_ROWS with a DOT_CANDIDATES tile; rows contiguous),
+    weight [N, K] contiguous, bias [N] or None -> [M, N] in x's dtype, with one of CANDIDATES
+    or DOT_CANDIDATES as the tile.
 
     prologue NORM: y = rms_norm(x, norm_weight, eps) @ W.T; ADD_NORM: the same over x + residual,
     returning (y, x + residual); SILU_MUL: x is [M, 2K] holding gate | up and
     y = (silu(gate) * up) @ W.T."""
     m = x.shape[0]
     n, k = weight.shape
-    assert 1 <= m <= MAX_ROWS and x.stride(1) == 1
-    assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
-    assert weight.is_contiguous() and (bias is None or bias.is_contiguous())
     block_n, block_k1, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
-    block_m = 16 if use_dot else rows_bucket(m)
+    assert 1 <= m <= (MAX_DOT_ROWS if use_dot else MAX_ROWS) and x.stride(1) == 1
+    assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
+    assert weight.is_contiguous() and (bias is None or bias.is_contiguous())
+    block_m = max(16, rows_bucket(m)) if use_dot else rows_bucket(m)
     block_k = min(block_k1 if use_dot else max(block_k1 // block_m, 16),
                   max(triton.next_power_of_2(k), 16))
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
