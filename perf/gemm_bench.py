@@ -30,13 +30,53 @@ SHAPES = (("qkv", 6144, 4096, LAYERS), ("o_proj", 4096, 4096, LAYERS),
           ("lm_head", 128256, 4096, 1))
 
 
+# (BLOCK_N, BLOCK_K, warps, stages, dot, swap): candidates for the narrow steps (8-64 rows)
+SWEEP = tuple((*c, True, False) for c in (
+    (16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4, 6), (16, 128, 4, 8),
+    (32, 512, 8, 3), (64, 128, 4, 4), (64, 256, 8, 3))) + tuple((*c, True, True) for c in (
+    (64, 128, 4, 4), (64, 256, 4, 3), (64, 64, 4, 8), (128, 128, 8, 3), (128, 64, 8, 6),
+    (64, 128, 4, 6), (128, 128, 4, 4), (64, 256, 8, 4), (32, 256, 4, 4), (16, 512, 4, 3)))
+
+
+def sweep(rows: list[int]) -> None:
+    for m in rows:
+        assert m <= gemv.MAX_DOT_ROWS, m
+        for name, n, k, _ in SHAPES[:4]:
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x, w)
+            base = _time_us(lambda: F.linear(x, w))
+            times = []
+            for cfg in SWEEP:
+                try:
+                    y = gemv.skinny_linear(x, w, None, cfg)
+                    if not torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=2e-2):
+                        print(f"  {name} M={m} {cfg}: disagrees with cuBLAS", flush=True)
+                        continue
+                    times.append((_time_us(lambda c=cfg: gemv.skinny_linear(x, w, None, c)), cfg))
+                except Exception as e:      # noqa: BLE001  (e.g. out of shared memory)
+                    print(f"  {name} M={m} {cfg}: {type(e).__name__}", flush=True)
+            times.sort()
+            gb = n * k * 2 / 1e3
+            best = "  ".join(f"{us:.1f} us {us and gb / us / 1e3:.2f} TB/s {c[:4]}"
+                             f"{' swap' if c[5] else ''}" for us, c in times[:3])
+            print(f"M={m:<3} {name:8} cuBLAS {base:6.1f} us {gb / base / 1e3:.2f} TB/s | "
+                  f"{best}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="64,128,256,384,512,768,1024,2048,4096,8192")
     ap.add_argument("--triton", action="store_true",
                     help="also time the skinny kernel's tensor-core tiles (rows <= "
                          f"{gemv.MAX_DOT_ROWS}, plain prologue) and print the best beside cuBLAS")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time SWEEP's tensor-core tiles (both operand orders) at --rows "
+                         "(each <= MAX_DOT_ROWS) on the four layer projections: the best three "
+                         "per shape beside cuBLAS")
     a = ap.parse_args()
+    if a.sweep:
+        return sweep([int(r) for r in a.rows.split(",")])
     rows = [int(r) for r in a.rows.split(",")]
     weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                for name, n, k, _ in SHAPES}

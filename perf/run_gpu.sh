@@ -93,6 +93,7 @@ for s in $stages; do
                 --ab gridorder,default,decode3 ;;
     # the longest-first decode order against grid order, A-B-A, on W2 (equal lengths: only the
     # sort's cost) and on W3 (qwen3-0.6b, mixed lengths)
+    w2lpt128) run w2lpt128 200 python3 perf/w2_fixed.py --shapes 128-128 --ab gridorder,default ;;
     w2lpt) run w2lpt 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab gridorder,default ;;
     w3lpt) run w3lpt 200 python3 perf/w3_mix.py --ab gridorder,default ;;
     # decode attention at W5's mixed context lengths: grid order, longest first, splits, stages
@@ -106,6 +107,8 @@ for s in $stages; do
     # cuBLAS at llama-3.1-8b's projection shapes across row counts (W2's GEMM bound), ~30 s
     gemm) run gemm 90 python3 perf/gemm_bench.py ;;
     # cuBLAS at the narrow steps of W4 (~30-40 rows) and W5's tail: how near HBM bandwidth
+    # tensor-core tiles for 16 and 64 rows, both operand orders, against cuBLAS
+    gemmsweep) run gemmsweep 240 python3 perf/gemm_bench.py --sweep --rows 16,64 ;;
     gemmsmall) run gemmsmall 150 python3 perf/gemm_bench.py --triton --rows 1,2,4,8,16,24,32,48,64,96,128 ;;
     # issue 8, on a kind with >= 2 GPUs: TP=2 == TP=1 greedy (4 archs), W1/W2 at TP=1 and TP=2
     tp2) run tp2 420 python3 perf/tp_scaling.py --tp 2 ;;
