@@ -96,6 +96,11 @@ for s in $stages; do
     w2lpt128) run w2lpt128 200 python3 perf/w2_fixed.py --shapes 128-128 --ab gridorder,default ;;
     w2lpt) run w2lpt 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab gridorder,default ;;
     w3lpt) run w3lpt 200 python3 perf/w3_mix.py --ab gridorder,default ;;
+    # kv_cache_dtype fp8: the kernels' parity at real shapes (with the bf16 decode / prefill
+    # cases), then W2 (128/128, 2048/128) and W5's requests into the engine, bf16 then fp8 KV
+    fp8) run fp8 200 python3 -m pytest -q tests/test_kernels.py -k "fp8 or decode_matches or prefill_matches" ;;
+    w2fp8) run w2fp8 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab fp8kv ;;
+    w5fp8) run w5fp8 240 python3 perf/w3_mix.py --model llama-3.1-8b --ab fp8kv ;;
     # decode attention at W5's mixed context lengths: grid order, longest first, splits, stages
     mixedlen) run mixedlen 120 python3 perf/kernels_bench.py --only mixedlen ;;
     w5) run w5 300 "$base_py" perf/w5_vs_transformers.py ;;

@@ -202,6 +202,46 @@ def test_num_splits_heuristic():
     assert 1 < kernels.choose_num_splits(4, 8, 2048, 132) <= 9
 
 
+@pytest.mark.parametrize("case", ["decode", "decode_split", "mixed", "rope_decode",
+                                  "rope_mixed"])
+def test_fp8_kv_cache_matches_torch_backend(case):
+    """kv_cache_dtype fp8: every kernel that writes the cache (store_kv_cache, rotary_store_kv,
+    the decode kernel's own rotary + write) stores e4m3, saturating at +-448, and the decode
+    and prefill kernels widen it as they read. The caches against the PyTorch backend's (which
+    rounds rotated k to the model's dtype first, and the interpreter rounds some ties the other
+    way: an element may differ by one e4m3 step); the attention against the reference over the
+    kernels' own caches (a saturated key makes the softmax too sharp to compare across caches
+    that differ by a step)."""
+    from pagedbackend.layers.attention import TorchAttentionBackend
+    fp8 = torch.float8_e4m3fn
+    hq, hkv, d = SHAPES[2]
+    q_lens = [1, 1, 1] if "decode" in case else [6, 1, 9]
+    seq_lens = [40, 9, 70]
+    q, k, v, kc, vc, meta = make_batch(q_lens, seq_lens, 16, hq, hkv, d, torch.bfloat16)
+    k[0, 0, :3] = torch.tensor([1000.0, -1000.0, 3.0])       # past e4m3's range: saturates
+    v[1, 0, 0] = -5000.0
+    kc, vc = (4 * kc).to(fp8), (4 * vc).to(fp8)
+    rope = None
+    if case.startswith("rope"):
+        cache = torch_rotary.build_cos_sin_cache(d, 128, 10000.0, None, torch.bfloat16, DEV)
+        rope = (torch.cat([torch.arange(s - n, s) for n, s in zip(q_lens, seq_lens)]).to(DEV),
+                cache)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref = TorchAttentionBackend().forward(q.clone(), k.clone(), v.clone(), kc_ref, vc_ref, meta,
+                                          d ** -0.5, rope=rope)
+    backend = kernels.TritonAttentionBackend(
+        num_splits=3 if case == "decode_split" else None, prefill_config=SMALL_TILES,
+        decode_config=None if CUDA else dict(BLOCK_N=16, num_warps=4, num_stages=1))
+    q_rot = q if rope is None else torch_rotary.apply_rotary(q.clone(), k.clone(), *rope)[0]
+    out = backend.forward(q.clone(), k, v, kc, vc, meta, d ** -0.5, rope=rope)
+    for c, c_ref in ((kc, kc_ref), (vc, vc_ref)):
+        assert c.dtype == fp8 and not c.float().isnan().any()
+        assert c.float().abs().max() == 448.0                # the saturated elements
+        assert rel_err(c, c_ref) < 2e-2
+    assert rel_err(out, paged_attention_ref(q_rot, kc, vc, meta, d ** -0.5)) < REL_TOL[q.dtype]
+    assert out.shape == ref.shape and not ref.isnan().any()
+
+
 # ---------------------------------------------------------------------------------- prefill
 
 if CUDA:

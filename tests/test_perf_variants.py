@@ -79,3 +79,14 @@ def test_decode_switches_are_set_and_restored(perf_module):
         decode.LONGEST_FIRST, decode.decode_config = start
     assert seen == [("default", start[0], stages), ("gridorder", False, stages),
                     ("gridorder-decode3", False, 3), ("default-again", start[0], stages)]
+
+
+def test_fp8kv_builds_the_next_engines_with_an_fp8_cache(perf_module):
+    # fp8kv is an engine argument, kept by the variants after it until a default
+    perf = perf_module("common")
+    seen = []
+    perf.run_variants("fp8kv,mbt2048,default", FakeLLM,
+                      lambda llm, label: seen.append((label, llm.overrides)))
+    assert seen == [("default", {}), ("fp8kv", {"kv_cache_dtype": "fp8"}),
+                    ("fp8kv-mbt2048", {"kv_cache_dtype": "fp8", "max_num_batched_tokens": 2048}),
+                    ("default-again", {})]

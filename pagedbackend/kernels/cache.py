@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedbackend.kernels.common import next_pow2
+from pagedbackend.kernels.common import next_pow2, to_cache
 
 
 @triton.jit
@@ -18,12 +18,12 @@ def slot_address(cache_ptr, slot, stride_b, stride_s, BLOCK_SIZE: tl.constexpr):
 @triton.jit
 def copy_heads(src, stride_h, dst, dst_stride_h, NUM_HEADS: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One token's [heads, head_dim] row from src to dst, cast to dst's dtype."""
+    """One token's [heads, head_dim] row from src to dst, cast to dst's dtype (see to_cache)."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
     x = tl.load(src + h[:, None] * stride_h + d[None, :], mask=mask)
-    tl.store(dst + h[:, None] * dst_stride_h + d[None, :], x.to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + h[:, None] * dst_stride_h + d[None, :], to_cache(x, dst), mask=mask)
 
 
 @triton.jit

@@ -14,6 +14,17 @@ INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
+def to_cache(x, cache_ptr):
+    """x cast to the element type of cache_ptr (a KV cache). Into float8 e4m3 (the fp8 KV
+    cache, scale 1) values saturate at +-448, its largest finite value, as vLLM's conversion
+    does, instead of overflowing to NaN."""
+    dt = cache_ptr.dtype.element_ty
+    if dt.is_fp8():
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    return x.to(dt)
+
+
+@triton.jit
 def mma(a, b, PRECISION: tl.constexpr):
     """tl.dot(a, b) with an fp32 result. The CPU interpreter multiplies bf16 operands as their
     raw uint16 bits, so there (only) the operands are widened first; on the GPU bf16/fp16 feed

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from pagedbackend.kernels.cache import slot_address
-from pagedbackend.kernels.common import dot_precision, mma, next_pow2, pdl_enter, pdl_launch
+from pagedbackend.kernels.common import (dot_precision, mma, next_pow2, pdl_enter, pdl_launch,
+                                         to_cache)
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -106,9 +107,9 @@ def _rope_and_store(q, q_at, k_new, v_new, pos, cos_sin_ptr, stride_c, slot, k_b
         k = tl.load(k_new + d, mask=d_mask, other=0.0).to(tl.float32)
         k_p = tl.load(k_new + partner, mask=d_mask, other=0.0).to(tl.float32)
         kc = slot_address(k_base, slot, stride_kb, stride_ks, BLOCK_SIZE)
-        tl.store(kc + d, (k * cos + sign * k_p * sin).to(kc.dtype.element_ty), mask=d_mask)
+        tl.store(kc + d, to_cache(k * cos + sign * k_p * sin, kc), mask=d_mask)
         vc = slot_address(v_base, slot, stride_vb, stride_vs, BLOCK_SIZE)
-        tl.store(vc + d, tl.load(v_new + d, mask=d_mask, other=0.0).to(vc.dtype.element_ty),
+        tl.store(vc + d, to_cache(tl.load(v_new + d, mask=d_mask, other=0.0), vc),
                  mask=d_mask)
     tl.debug_barrier()          # the program's own stores before its loads of that position
     return q_rot.to(q.dtype)
@@ -180,8 +181,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         blk = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         tok = n % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
+        # an fp8 cache is widened to q's dtype here (a no-op otherwise)
         k = tl.load(k_base + (blk * stride_kb + tok * stride_ks)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         s = mma(q, tl.trans(k), PRECISION) * scale_log2                 # [BLOCK_G, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -189,7 +191,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + (blk * stride_vb + tok * stride_vs)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION)
         m_i = m_new
 
@@ -270,7 +272,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     hkv = k_cache.shape[2]
     mixed = query_start_loc is not None
     assert hq % hkv == 0 and q.stride(2) == 1 and out.stride(2) == 1
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
+    assert k_cache.dtype == v_cache.dtype in (q.dtype, torch.float8_e4m3fn), \
+        "the caches must be in q's dtype or float8_e4m3fn"
     group = hq // hkv
     cfg = {**decode_config(d), **(config or {})}
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits={num_splits} must be in [1, {MAX_SPLITS}]"

@@ -44,8 +44,9 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, table, start, n_end, qpos,
         blk = tl.load(table + n // BLOCK_SIZE).to(tl.int64)
         kv_mask = d_mask[None, :]
     tok = n % BLOCK_SIZE
+    # an fp8 cache is widened to q's dtype here (a no-op otherwise)
     k = tl.load(k_base + (blk * stride_kb + tok * stride_ks)[:, None] + d[None, :],
-                mask=kv_mask, other=0.0)
+                mask=kv_mask, other=0.0).to(q.dtype)
     s = mma(q, tl.trans(k), PRECISION) * scale_log2                     # [BLOCK_M, BLOCK_N]
     if MASKED:
         s = tl.where((n[None, :] <= qpos[:, None]) & n_mask[None, :], s, float("-inf"))
@@ -54,7 +55,7 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, table, start, n_end, qpos,
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + (blk * stride_vb + tok * stride_vs)[:, None] + d[None, :],
-                mask=kv_mask, other=0.0)
+                mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION)
     return acc, m_new, l_i
 
@@ -134,7 +135,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     b = seq_lens.shape[0]
     hkv = k_cache.shape[2]
     assert hq % hkv == 0 and q.stride(2) == 1 and out.stride(2) == 1
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
+    assert k_cache.dtype == v_cache.dtype in (q.dtype, torch.float8_e4m3fn), \
+        "the caches must be in q's dtype or float8_e4m3fn"
     if t == 0 or b == 0:
         return out
     cfg = {**prefill_config(d), **(config or {})}

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from pagedbackend.kernels.cache import copy_heads, slot_address, store_kv_cache
-from pagedbackend.kernels.common import next_pow2, pdl_enter, pdl_launch
+from pagedbackend.kernels.common import next_pow2, pdl_enter, pdl_launch, to_cache
 
 
 @triton.jit
@@ -23,8 +23,8 @@ def _rotate_heads(src, stride_h, dst, dst_stride_h, cos, sin,
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     d1 = dst + h[:, None] * dst_stride_h + i[None, :]
-    tl.store(d1, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
-    tl.store(d1 + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(d1, to_cache(x1 * cos - x2 * sin, dst), mask=mask)
+    tl.store(d1 + HALF, to_cache(x2 * cos + x1 * sin, dst), mask=mask)
 
 
 @triton.jit

@@ -75,15 +75,27 @@ class AttentionBackend(Protocol):
         ...
 
 
+FP8_MAX = 448.0     # float8 e4m3's largest finite value
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a KV cache of this dtype stores it: into float8 e4m3 (kv_cache_dtype fp8, scale 1)
+    values saturate at +-448 rather than overflow to NaN (kernels.common.to_cache)."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
+
+
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Reference KV write: scatter each token's k/v into its slot; slot -1 is skipped."""
+    """Reference KV write: scatter each token's k/v into its slot; slot -1 is skipped. Every
+    reader widens the cache to q's dtype, so an fp8 cache works with every backend."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     kc = k_cache.view(-1, *k_cache.shape[2:])
     vc = v_cache.view(-1, *v_cache.shape[2:])
-    kc[slots] = k[keep].to(kc.dtype)
-    vc[slots] = v[keep].to(vc.dtype)
+    kc[slots] = to_cache_dtype(k[keep], kc.dtype)
+    vc[slots] = to_cache_dtype(v[keep], vc.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -102,6 +102,9 @@ class ModelRunner:
             device = f"cuda:{tp_rank if tp_size > 1 else torch.cuda.current_device()}"
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
+        # the KV cache's element type: the model's, or float8 e4m3 (values saturate at +-448,
+        # scale 1; the attention kernels widen them to the model's dtype as they read)
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.tp_rank, self.tp_size = tp_rank, tp_size
         torch.manual_seed(config.seed)
         self.model = build_model(hf_config, self.dtype, self.device, make_attn_backend(self.device),
@@ -129,7 +132,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             from pagedbackend.kernels.common import COMPILES
             COMPILES.disarm()   # this start-up's compiles are expected (another engine's may not)
-        per_block = kv_bytes_per_block(self.hf_config, self.block_size, self.dtype, self.tp_size)
+        per_block = kv_bytes_per_block(self.hf_config, self.block_size, self.kv_dtype,
+                                       self.tp_size)
         num_blocks = num_blocks_for_device(
             self.config, self.device, per_block,
             profile=lambda: self.profile_run(max_num_batched_tokens, max_model_len))
@@ -156,7 +160,7 @@ class ModelRunner:
         kv_heads = self.model.num_kv_heads
         head_dim = self.model.head_dim
         shape = (2, layers, num_blocks, self.block_size, kv_heads, head_dim)
-        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(cache[0, i], cache[1, i]) for i in range(layers)]
         self.num_kv_blocks = num_blocks
 
