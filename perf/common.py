@@ -76,8 +76,8 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
 
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
            "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, ropekernel, oldtiles, "
-           "eagerprefill, decode3, gridorder, fp8kv, nopdl, cublas; default runs the default "
-           "again (perf/common.run_variants)")
+           "eagerprefill, decode3, gridorder, fp8kv, fp8n64, nopdl, cublas; default runs the "
+           "default again (perf/common.run_variants)")
 
 
 def run_variants(names: str, make_llm, body) -> None:
@@ -91,7 +91,8 @@ def run_variants(names: str, make_llm, body) -> None:
     eagerprefill (no CUDA graphs for single-sequence prefills), oldtiles (the prefill tile
     before the sweep of 2026-12-03: 128 x 64 with 8 warps), decode3 (decode attention with 3
     pipeline stages instead of 2), gridorder (decode attention starts its programs in grid
-    order, not the longest sequences first), fp8kv (make_llm(kv_cache_dtype="fp8")),
+    order, not the longest sequences first), fp8kv (make_llm(kv_cache_dtype="fp8")), fp8n64
+    (an fp8 cache's decode tile of 64 tokens, as bf16's, not decode.FP8_BLOCK_N),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". "default" undoes every switch and runs the
     default again (label "default-again", then "default-again-2", ...): an A-B-A order shows
@@ -112,9 +113,10 @@ def run_variants(names: str, make_llm, body) -> None:
                      if v.startswith(p) and v[len(p):].isdigit()), v)
     for name in variants:
         if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "ropekernel", "eagerprefill",
-                              "oldtiles", "decode3", "gridorder", "fp8kv", "default"):
+                              "oldtiles", "decode3", "gridorder", "fp8kv", "fp8n64",
+                              "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, mbt<N>, "
-                             "ropekernel, eagerprefill, oldtiles, decode3, gridorder, fp8kv, "
+                             "ropekernel, eagerprefill, oldtiles, decode3, gridorder, fp8kv, fp8n64, "
                              "nopdl, "
                              "cublas or default")
     steps, active, again = [("default", None)], [], 0
@@ -128,7 +130,7 @@ def run_variants(names: str, make_llm, body) -> None:
     switches = ((common, "PDL_ENABLED"), (gemv, "ENABLED"), (decode, "ROPE_IN_DECODE"),
                 (decode, "LONGEST_FIRST"),
                 (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
-                (decode, "decode_config"),
+                (decode, "decode_config"), (decode, "FP8_BLOCK_N"),
                 (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"))
     # read only for an A/B: an older engine (perf/snapshot.sh) may lack some of them
     initial = [getattr(mod, name) for mod, name in switches] if variants else []
@@ -152,11 +154,13 @@ def run_variants(names: str, make_llm, body) -> None:
                 dict(BLOCK_M=128, num_warps=8) if 64 < d <= 128 else {})}
         elif switch == "gridorder":
             decode.LONGEST_FIRST = False
+        elif switch == "fp8n64":
+            decode.FP8_BLOCK_N = 64
         elif switch == "fp8kv":
             overrides["kv_cache_dtype"] = "fp8"
         elif switch == "decode3":
             new_decode = decode.decode_config
-            decode.decode_config = lambda d: {**new_decode(d), "num_stages": 3}
+            decode.decode_config = lambda d, *kv: {**new_decode(d, *kv), "num_stages": 3}
         elif switch == "noprefetch":
             common.PREFETCH_BYTES, common.PREFETCH_PLAIN_BYTES = 0, None
         elif switch is not None and switch.startswith("pfplain"):

@@ -115,6 +115,37 @@ def bench_decode_mixed_lengths():
                 f"of 4.27 TB/s), mean ctx {sum(lens) // b}")
 
 
+def bench_decode_fp8():
+    """Decode attention over an fp8 cache (kv_cache_dtype fp8) against bf16 at W2's and W5's
+    steps: bf16 with its tile, fp8 with tiles of 64 to 256 tokens, 4 or 8 warps, 2 or 3 stages.
+    TB/s counts the bytes each cache really holds (fp8: half)."""
+    import random
+    scale = D ** -0.5
+    rng = random.Random(0)
+    fp8 = torch.float8_e4m3fn
+    cases = (("W2 128/128", [192] * 512), ("W5 mixed", [rng.randint(100, 2048) for _ in range(256)]),
+             ("64 x 2048", [2048] * 64), ("W5 tail", [rng.randint(100, 2048) for _ in range(32)]))
+    for name, lens in cases:
+        b = len(lens)
+        q, k, v, kc, vc, meta = random_paged_batch([1] * b, lens, BS, HQ, HKV, D, DT, DEVICE)
+        out = torch.empty_like(q)
+        splits = kernels.choose_num_splits(b, HKV, max(lens), num_sms(torch.cuda.current_device()))
+        part_out = torch.empty(b * HQ * splits * D, device=DEVICE)
+        part_lse = torch.empty(b * HQ * splits, device=DEVICE)
+        order = meta.longest_first
+        kc8, vc8 = kc.to(fp8), vc.to(fp8)
+        gb = kv_bytes(lens)
+        for cache, cfg in [("bf16", None)] + [("fp8", dict(BLOCK_N=n, num_warps=w, num_stages=st))
+                                             for n, w, st in ((64, 4, 2), (128, 4, 2), (128, 8, 2),
+                                                              (128, 4, 3), (256, 8, 2))]:
+            kk, vv, nbytes = (kc, vc, gb) if cache == "bf16" else (kc8, vc8, gb // 2)
+            t = bench(lambda: kernels.paged_decode_attention(
+                q, kk, vv, meta.block_tables, meta.seq_lens, scale, out, splits, part_out,
+                part_lse, cfg, order=order))
+            row(f"decode {name} b={b} {cache} {cfg or ''}", t, float("nan"),
+                f"{nbytes / (t * 1e-3) / 1e12:5.2f} TB/s, mean ctx {sum(lens) // b}")
+
+
 def bench_prefill(sweep):
     scale = D ** -0.5
     for name, qlens, slens in (("prefill 2048", [2048], [2048]),
@@ -191,7 +222,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also try a few tile configs")
     ap.add_argument("--only", default="",
-                    help="comma-separated parts to run: decode, mixedlen, prefill, mixed, "
+                    help="comma-separated parts to run: decode, mixedlen, fp8, prefill, mixed, "
                          "elementwise (default: all)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "kernels_bench needs a CUDA GPU"
@@ -199,6 +230,7 @@ def main():
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"triton {triton.__version__}  SMs {num_sms(torch.cuda.current_device())}")
     parts = {"decode": lambda: bench_decode(args.sweep), "mixedlen": bench_decode_mixed_lengths,
+             "fp8": bench_decode_fp8,
              "prefill": lambda: bench_prefill(args.sweep), "mixed": bench_mixed,
              "elementwise": bench_elementwise}
     for name in (args.only.split(",") if args.only else parts):

@@ -100,6 +100,9 @@ for s in $stages; do
     # cases), then W2 (128/128, 2048/128) and W5's requests into the engine, bf16 then fp8 KV
     fp8) run fp8 200 python3 -m pytest -q tests/test_kernels.py -k "fp8 or decode_matches or prefill_matches" ;;
     w2fp8) run w2fp8 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab fp8kv ;;
+    fp8bench) run fp8bench 100 python3 perf/kernels_bench.py --only fp8 ;;
+    w5fp8n) run w5fp8n 300 python3 perf/w3_mix.py --model llama-3.1-8b --ab fp8kv,fp8n64 ;;
+    w2fp8n) run w2fp8n 200 python3 perf/w2_fixed.py --shapes 128-128 --ab fp8kv,fp8n64 ;;
     w5fp8) run w5fp8 240 python3 perf/w3_mix.py --model llama-3.1-8b --ab fp8kv ;;
     # decode attention at W5's mixed context lengths: grid order, longest first, splits, stages
     mixedlen) run mixedlen 120 python3 perf/kernels_bench.py --only mixedlen ;;

@@ -82,11 +82,19 @@ def test_decode_switches_are_set_and_restored(perf_module):
 
 
 def test_fp8kv_builds_the_next_engines_with_an_fp8_cache(perf_module):
-    # fp8kv is an engine argument, kept by the variants after it until a default
+    # fp8kv is an engine argument, kept by the variants after it until a default; fp8n64
+    # gives fp8 caches bf16's decode tile, and default puts FP8_BLOCK_N back
+    from pagedbackend.kernels import decode
     perf = perf_module("common")
+    start = decode.FP8_BLOCK_N
     seen = []
-    perf.run_variants("fp8kv,mbt2048,default", FakeLLM,
-                      lambda llm, label: seen.append((label, llm.overrides)))
-    assert seen == [("default", {}), ("fp8kv", {"kv_cache_dtype": "fp8"}),
-                    ("fp8kv-mbt2048", {"kv_cache_dtype": "fp8", "max_num_batched_tokens": 2048}),
-                    ("default-again", {})]
+    try:
+        perf.run_variants("fp8kv,fp8n64,mbt2048,default", FakeLLM, lambda llm, label: seen.append(
+            (label, llm.overrides, decode.decode_config(128, 1)["BLOCK_N"])))
+    finally:
+        decode.FP8_BLOCK_N = start
+    assert start != 64 and decode.decode_config(128)["BLOCK_N"] == 64
+    fp8 = {"kv_cache_dtype": "fp8"}
+    assert seen == [("default", {}, start), ("fp8kv", fp8, start), ("fp8kv-fp8n64", fp8, 64),
+                    ("fp8kv-fp8n64-mbt2048", {**fp8, "max_num_batched_tokens": 2048}, 64),
+                    ("default-again", {}, start)]

@@ -76,13 +76,21 @@ def max_split_rows(num_kv_heads: int, sms: int) -> int:
     return best
 
 
-def decode_config(head_dim: int) -> dict:
+# An fp8 cache (kv_cache_dtype fp8) halves a tile's bytes, and with 64-token tiles W5 and W2
+# ran no faster than with bf16 (H200, call 4 of 2026-12-03, second session): the context loop
+# is bound by its iterations there, not by bytes. Its tiles take twice the tokens, the bytes in
+# flight per iteration of a bf16 tile.
+FP8_BLOCK_N = 128
+
+
+def decode_config(head_dim: int, kv_element_size: int = 2) -> dict:
     # 64 tokens (4 blocks of 16) per iteration keeps enough bytes in flight per program;
     # K+V tiles are 32 KiB at D=128, so two stages leave room for 3 CTAs per SM. Three stages
     # were 3-8% faster alone at 2048-token contexts (kernels_bench --sweep) but no W2 run was
     # measurably faster with them (H200, 2026-12-03; perf/RESULTS.md, calls 17 to 21).
     if head_dim <= 128:
-        return dict(BLOCK_N=64, num_warps=4, num_stages=2)
+        return dict(BLOCK_N=FP8_BLOCK_N if kv_element_size == 1 else 64, num_warps=4,
+                    num_stages=2)
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
 
 
@@ -275,7 +283,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert k_cache.dtype == v_cache.dtype in (q.dtype, torch.float8_e4m3fn), \
         "the caches must be in q's dtype or float8_e4m3fn"
     group = hq // hkv
-    cfg = {**decode_config(d), **(config or {})}
+    cfg = {**decode_config(d, k_cache.element_size()), **(config or {})}
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits={num_splits} must be in [1, {MAX_SPLITS}]"
     if num_splits > 1:
         assert part_out is not None and part_lse is not None
