@@ -81,6 +81,9 @@ def max_split_rows(num_kv_heads: int, sms: int) -> int:
 # is bound by its iterations there, not by bytes. Its tiles take twice the tokens, the bytes in
 # flight per iteration of a bf16 tile.
 FP8_BLOCK_N = 128
+# Over an fp8 cache the kernel computes in fp16 (q, the widened K/V and the probabilities;
+# fp32 accumulation): e4m3 widens to fp16 in one conversion, to bf16 only through fp32.
+FP8_F16 = True
 
 
 def decode_config(head_dim: int, kv_element_size: int = 2) -> dict:
@@ -136,7 +139,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                    MIXED: tl.constexpr, ROPE: tl.constexpr, ORDERED: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   F16: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     if ORDERED:
         # the GPU starts programs in grid order: the KV heads of order[0] (the longest
@@ -177,6 +180,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                             (lo <= seq_len - 1) & (seq_len - 1 < hi), d, g_mask, d_mask,
                             HEAD_DIM, BLOCK_SIZE)
 
+    if F16:     # an fp8 cache: compute in fp16 (FP8_F16), q clamped to its range
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -189,7 +194,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         blk = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         tok = n % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        # an fp8 cache is widened to q's dtype here (a no-op otherwise)
+        # an fp8 cache is widened to q's (compute) dtype here (a no-op otherwise)
         k = tl.load(k_base + (blk * stride_kb + tok * stride_ks)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0).to(q.dtype)
         s = mma(q, tl.trans(k), PRECISION) * scale_log2                 # [BLOCK_G, BLOCK_N]
@@ -314,6 +319,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM=d, BLOCK_D=next_pow2(d, 16), BLOCK_SIZE=k_cache.shape[1],
         BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, PRECISION=dot_precision(q.dtype),
         MIXED=mixed, ROPE=rope_store is not None, ORDERED=order is not None,
+        F16=k_cache.dtype == torch.float8_e4m3fn and cfg.get("F16", FP8_F16),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_launch(q))
     if num_splits > 1:
