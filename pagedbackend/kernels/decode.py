@@ -77,9 +77,10 @@ def max_split_rows(num_kv_heads: int, sms: int) -> int:
 
 
 # An fp8 cache (kv_cache_dtype fp8) halves a tile's bytes, and with 64-token tiles W5 and W2
-# ran no faster than with bf16 (H200, call 4 of 2026-12-03, second session): the context loop
-# is bound by its iterations there, not by bytes. Its tiles take twice the tokens, the bytes in
-# flight per iteration of a bf16 tile.
+# ran no faster than with bf16 (H200, perf/RESULTS.md call 33): the context loop is bound by
+# its iterations there, not by bytes. Its tiles take twice the tokens, the bytes in flight per
+# iteration of a bf16 tile: 6-31% faster than bf16 at W5's widths, but 25% slower at W2
+# 128/128's 192-token contexts, where most of a 128-token tile is past the end (call 35).
 FP8_BLOCK_N = 128
 # Over an fp8 cache the kernel computes in fp16 (q, the widened K/V and the probabilities;
 # fp32 accumulation): e4m3 widens to fp16 in one conversion, to bf16 only through fp32.
