@@ -30,12 +30,12 @@ SHAPES = (("qkv", 6144, 4096, LAYERS), ("o_proj", 4096, 4096, LAYERS),
           ("lm_head", 128256, 4096, 1))
 
 
-# (BLOCK_N, BLOCK_K, warps, stages, dot, swap): candidates for the narrow steps (8-64 rows)
-SWEEP = tuple((*c, True, False) for c in (
+# (BLOCK_N, BLOCK_K, warps, stages, dot): tensor-core tiles for the narrow steps (8-64 rows).
+# A swapped-operand form (the weight tile as the dot's M side) was swept too in b31903a and
+# was no faster (perf/RESULTS.md, call 31); it was removed.
+SWEEP = tuple((*c, True) for c in (
     (16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4, 6), (16, 128, 4, 8),
-    (32, 512, 8, 3), (64, 128, 4, 4), (64, 256, 8, 3))) + tuple((*c, True, True) for c in (
-    (64, 128, 4, 4), (64, 256, 4, 3), (64, 64, 4, 8), (128, 128, 8, 3), (128, 64, 8, 6),
-    (64, 128, 4, 6), (128, 128, 4, 4), (64, 256, 8, 4), (32, 256, 4, 4), (16, 512, 4, 3)))
+    (32, 512, 8, 3), (64, 128, 4, 4), (64, 256, 8, 3), (16, 256, 4, 6), (32, 64, 4, 8)))
 
 
 def sweep(rows: list[int]) -> None:
@@ -59,7 +59,7 @@ def sweep(rows: list[int]) -> None:
             times.sort()
             gb = n * k * 2 / 1e3
             best = "  ".join(f"{us:.1f} us {us and gb / us / 1e3:.2f} TB/s {c[:4]}"
-                             f"{' swap' if c[5] else ''}" for us, c in times[:3])
+                             for us, c in times[:3])
             print(f"M={m:<3} {name:8} cuBLAS {base:6.1f} us {gb / base / 1e3:.2f} TB/s | "
                   f"{best}", flush=True)
 
@@ -71,7 +71,7 @@ def main():
                     help="also time the skinny kernel's tensor-core tiles (rows <= "
                          f"{gemv.MAX_DOT_ROWS}, plain prologue) and print the best beside cuBLAS")
     ap.add_argument("--sweep", action="store_true",
-                    help="time SWEEP's tensor-core tiles (both operand orders) at --rows "
+                    help="time SWEEP's tensor-core tiles at --rows "
                          "(each <= MAX_DOT_ROWS) on the four layer projections: the best three "
                          "per shape beside cuBLAS")
     a = ap.parse_args()

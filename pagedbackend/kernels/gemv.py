@@ -48,8 +48,6 @@ CANDIDATES = ((8, 1024, 4, 3), (16, 512, 4, 3), (16, 512, 4, 4), (32, 256, 4, 4)
 # still scales the finished products). Marked by a fifth element.
 DOT_CANDIDATES = ((16, 256, 4, 4, True), (32, 256, 4, 4, True), (64, 128, 4, 4, True),
                   (32, 128, 4, 6, True))
-# A sixth element True swaps the dot's operands: the weight tile is the M side (BLOCK_N rows,
-# where Hopper's warpgroup MMA wants 64) and the input rows the N side, y.T = W x.T.
 # The tensor-core tiles compute any row count up to this (BLOCK_M = rows rounded up to a power
 # of two, at least 16); the engine hands the kernel at most MAX_ROWS. perf/gemm_bench.py
 # --triton times them against cuBLAS at wider steps.
@@ -99,7 +97,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, 
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                   USE_DOT: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr):
+                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -119,9 +117,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, 
                         BLOCK_N * K * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
     pdl_wait(USE_PDL)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if USE_DOT and SWAP:
-        acc2 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    elif USE_DOT:        # BLOCK_M >= 16, rows past M zero
+    if USE_DOT:          # BLOCK_M >= 16, rows past M zero
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     elif BLOCK_M == 1:   # one row: a plain 2-D tile, the layout triton handles best
         acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -142,17 +138,13 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, 
         else:
             w = tl.load(w_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0,
                         eviction_policy="evict_first")
-        if USE_DOT and SWAP:
-            acc2 += mma(w, tl.trans(x.to(w.dtype)), PRECISION)
-        elif USE_DOT:
+        if USE_DOT:
             acc2 += mma(x.to(w.dtype), tl.trans(w), PRECISION)
         elif BLOCK_M == 1:
             acc1 += tl.sum(x, axis=0)[None, :] * w.to(tl.float32)
         else:
             acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
-    if USE_DOT and SWAP:
-        y = tl.trans(acc2)                                              # [BLOCK_M, BLOCK_N]
-    elif USE_DOT:
+    if USE_DOT:
         y = acc2                                                        # [BLOCK_M, BLOCK_N]
     elif BLOCK_M == 1:
         y = tl.sum(acc1, axis=1)[None, :]                               # [1, BLOCK_N]
@@ -185,7 +177,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     n, k = weight.shape
     block_n, block_k1, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
-    swap = use_dot and len(dot) > 1 and bool(dot[1])
     assert 1 <= m <= (MAX_DOT_ROWS if use_dot else MAX_ROWS) and x.stride(1) == 1
     assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     assert weight.is_contiguous() and (bias is None or bias.is_contiguous())
@@ -209,7 +200,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x.stride(0), weight.stride(0), y.stride(0), r.stride(0), r_out.stride(0), pf,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         EVEN_N=even_n, EVEN_K=k % block_k == 0, PROLOGUE=prologue, PREFETCH=pf > 0,
-        USE_DOT=use_dot, SWAP=swap, PRECISION=dot_precision(weight.dtype), num_warps=warps,
+        USE_DOT=use_dot, PRECISION=dot_precision(weight.dtype), num_warps=warps,
         num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
 
