@@ -40,6 +40,8 @@ for s in $stages; do
     # fp32 only (where all 256 greedy tokens must agree with transformers), ~2 min
     correctness32) run correctness32 200 "$base_py" perf/gpu_correctness.py --dtypes float32 ;;
     correctness16) run correctness16 200 "$base_py" perf/gpu_correctness.py --dtypes bfloat16 ;;
+    # bf16 with an fp8 KV cache: how far greedy output still follows transformers
+    correctnessfp8) run correctnessfp8 200 "$base_py" perf/gpu_correctness.py --dtypes bfloat16 --kv-cache-dtype fp8 ;;
     w1) run w1 150 python3 perf/w1_decode.py --profile ;;
     # W1, then in the same process (same tile choices) without PDL and without the skinny GEMM
     w1ab) run w1ab 300 python3 perf/w1_decode.py --profile --ab nopdl,cublas ;;

@@ -58,3 +58,9 @@ def test_engine_config_from_parameters():
         engine_config({"model": "x", "block_size": "big"}, Path("/"))
     with pytest.raises(ValueError, match="block_size"):
         engine_config({"model": "x", "block_size": "3"}, Path("/"))
+    # the fp8 KV cache is a parameter too (in the shipped config.pbtxt, "auto")
+    assert engine_config({"model": "x", "kv_cache_dtype": "fp8"}, Path("/")).kv_cache_dtype == "fp8"
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype='fp4' is invalid: must be one of"):
+        engine_config({"model": "x", "kv_cache_dtype": "fp4"}, Path("/"))
+    shipped = (Path(__file__).parents[1] / "model_repository/engine/config.pbtxt").read_text()
+    assert 'key: "kv_cache_dtype" value: { string_value: "auto" }' in shipped
