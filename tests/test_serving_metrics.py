@@ -118,3 +118,22 @@ def test_metrics_are_published_by_the_engine_loops_sender_thread():
     assert get("vllm:request_success_total", finished_reason="length").total == 8
     assert get("vllm:inter_token_latency_seconds_count").total == 8 * 4
     assert sent_by <= {"engine-sender"} and sent_by
+
+
+def test_cache_config_info_carries_the_cache_settings_as_labels():
+    # vLLM's vllm:cache_config_info: one gauge at 1 whose labels are the KV cache's settings
+    from pagedbackend.serving.metrics import cache_config_labels
+    engine = SimpleNamespace(
+        config=SimpleNamespace(block_size=16, kv_cache_dtype="fp8", enable_prefix_caching=True,
+                               gpu_memory_utilization=0.9),
+        info=SimpleNamespace(num_kv_blocks=1234))
+    labels = cache_config_labels(engine)
+    assert labels == {"block_size": "16", "cache_dtype": "fp8", "num_gpu_blocks": "1234",
+                      "enable_prefix_caching": "True", "gpu_memory_utilization": "0.9"}
+    fams = FakeFamilies()
+    ServingMetrics(fams, "m", cache_config=labels)
+    metric = fams.metrics[("vllm:cache_config_info",
+                           tuple(sorted({"model_name": "m", **labels}.items())))]
+    assert metric.value == 1
+    ServingMetrics(fams2 := FakeFamilies(), "m")            # without it: no such family
+    assert not any(name == "vllm:cache_config_info" for name, _ in fams2.metrics)

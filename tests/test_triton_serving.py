@@ -62,6 +62,12 @@ def test_models_ready_and_vllm_metrics_listed(triton):  # noqa: F811
                  "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count"):
         assert f'{name}{{model_name="smollm2-135m-instruct"' in text, name
     assert 'vllm:request_success_total{finished_reason="stop"' in text
+    # the KV cache's settings as labels of one gauge at 1 (vLLM's cache_config_info)
+    info = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and info[0].endswith(" 1"), info
+    for label in ('cache_dtype="auto"', 'block_size="16"', 'enable_prefix_caching="True"',
+                  'model_name="smollm2-135m-instruct"'):
+        assert label in info[0], (label, info[0])
 
 
 def test_chat_answer_through_every_api_matches_offline_engine(triton, tokenizer, smollm2_dir):  # noqa: F811

@@ -86,9 +86,21 @@ class CounterHistogram:
         self._sum = 0.0
 
 
+def cache_config_labels(engine: Any) -> dict[str, str]:
+    """vllm:cache_config_info's labels, vLLM's names: the KV cache's block size, element type
+    (kv_cache_dtype, "auto" = the model's), block count, prefix caching, memory share."""
+    c = engine.config
+    return {"block_size": str(c.block_size), "cache_dtype": c.kv_cache_dtype,
+            "num_gpu_blocks": str(engine.info.num_kv_blocks),
+            "enable_prefix_caching": str(c.enable_prefix_caching),
+            "gpu_memory_utilization": str(c.gpu_memory_utilization)}
+
+
 class ServingMetrics:
     def __init__(self, families: Any, model_name: str, log: Callable[[str], None] = print,
-                 min_pass_s: float = 0.1):
+                 min_pass_s: float = 0.1, cache_config: Optional[dict] = None):
+        """cache_config: labels of vLLM's vllm:cache_config_info gauge (value 1), e.g.
+        cache_config_labels(engine); none published without it."""
         mf, labels = families.MetricFamily, {"model_name": model_name}
         self._log = log
         self._families = []
@@ -135,6 +147,10 @@ class ServingMetrics:
                                         "Prompt tokens per request.", TOKEN_BUCKETS)
         self.request_generation = histogram("vllm:request_generation_tokens",
                                             "Generation tokens per request.", TOKEN_BUCKETS)
+        if cache_config is not None:
+            self.cache_config = family("vllm:cache_config_info", "Information of the KV cache.",
+                                       mf.GAUGE).Metric(labels={**labels, **cache_config})
+            self.cache_config.set(1)
         self._totals = {"preemptions": 0.0, "prefix_queries": 0.0, "prefix_hits": 0.0}
         self._min_pass_s = min_pass_s
         self._last_pass = 0.0

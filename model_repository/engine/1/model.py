@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pagedbackend.serving.engine_loop import EngineLoop, Outgoing  # noqa: E402
-from pagedbackend.serving.metrics import ServingMetrics  # noqa: E402
+from pagedbackend.serving.metrics import ServingMetrics, cache_config_labels  # noqa: E402
 from pagedbackend.serving.request import (RequestError, check_single_batch,  # noqa: E402
                                           parse_request)
 from pagedbackend.serving.settings import (engine_config, parameters_of,  # noqa: E402
@@ -54,7 +54,8 @@ class TritonPythonModel:
         # Built before initialize() returns: Triton reports the model ready only after this.
         self.engine = LLMEngine(config)
         served = params.get("served_model_name") or Path(config.model).name
-        self.metrics = ServingMetrics(pb_utils, served, log=self.log.log_warn)
+        self.metrics = ServingMetrics(pb_utils, served, log=self.log.log_warn,
+                                      cache_config=cache_config_labels(self.engine))
         self.loop = EngineLoop(self.engine, self._send, self.metrics, log=self.log.log_error,
                                on_dead=self._unload_self, info=self.log.log_info,
                                **streaming).start()
