@@ -76,6 +76,20 @@ def test_tp2_greedy_matches_tp1(checkpoints, arch):
         llm.engine.shutdown()
 
 
+def test_tp2_fp8_kv_cache_matches_tp1(checkpoints):
+    """kv_cache_dtype reaches every rank: each holds its KV heads in e4m3, and two ranks
+    generate what one does with the same cache."""
+    prompts = mixed_prompts()
+    fp8 = {**ENGINE, "kv_cache_dtype": "fp8"}
+    want = token_ids(LLM(checkpoints["llama"], **fp8), prompts)
+    assert want != token_ids(LLM(checkpoints["llama"], **ENGINE), prompts)   # fp8 shows
+    llm = LLM(checkpoints["llama"], tensor_parallel_size=2, **fp8)
+    try:
+        assert token_ids(llm, prompts) == want
+    finally:
+        llm.engine.shutdown()
+
+
 def test_two_engines_side_by_side(checkpoints):
     """Each engine has its own store port and process groups: two live at once don't collide."""
     prompts = mixed_prompts()[:3]
