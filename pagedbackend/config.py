@@ -92,6 +92,10 @@ class EngineConfig:
         check(not (self.async_scheduling and self.tensor_parallel_size > 1), "async_scheduling",
               self.async_scheduling, "off (false or None) with tensor_parallel_size > 1")
 
+    def resolved_kv_cache_dtype(self, model_dtype: str) -> str:
+        """The KV cache's element type (a torch dtype's name): the model's, or float8_e4m3fn."""
+        return model_dtype if self.kv_cache_dtype == "auto" else "float8_e4m3fn"
+
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model

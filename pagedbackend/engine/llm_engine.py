@@ -97,8 +97,8 @@ class LLMEngine:
         self.info = info.with_blocks(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %s); max concurrency at "
                     "max_model_len=%d: %.1fx", num_blocks, config.block_size,
-                    num_blocks * config.block_size, "float8_e4m3fn" if config.kv_cache_dtype != "auto"
-                    else info.dtype, info.max_model_len, num_blocks / blocks_needed)
+                    num_blocks * config.block_size, config.resolved_kv_cache_dtype(info.dtype),
+                    info.max_model_len, num_blocks / blocks_needed)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, info.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy)

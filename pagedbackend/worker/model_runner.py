@@ -104,7 +104,7 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         # the KV cache's element type: the model's, or float8 e4m3 (values saturate at +-448,
         # scale 1; the attention kernels widen them to the model's dtype as they read)
-        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+        self.kv_dtype = getattr(torch, config.resolved_kv_cache_dtype(dtype))
         self.tp_rank, self.tp_size = tp_rank, tp_size
         torch.manual_seed(config.seed)
         self.model = build_model(hf_config, self.dtype, self.device, make_attn_backend(self.device),
