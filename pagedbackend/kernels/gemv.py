@@ -54,6 +54,15 @@ DOT_CANDIDATES = ((16, 256, 4, 4, True), (32, 256, 4, 4, True), (64, 128, 4, 4, 
 MAX_DOT_ROWS = 64
 MARGIN = 0.97      # the kernel must take < 97% of cuBLAS's time to replace it
 ENABLED = os.environ.get("PAGEDBACKEND_SKINNY_GEMM", "1") != "0"
+# Narrow steps (MAX_ROWS < rows <= NARROW_ROWS; W4's ~30-40 rows, W5's tail): cuBLAS runs
+# q|k|v, o_proj and down there at 2.2-3.0 TB/s, the same time from 1 to 128 rows, and the
+# tensor-core tiles tie it when each is timed alone (perf/RESULTS.md, calls 30 and 31). In a
+# decode graph the tile would overlap its start with the kernel before it (PDL), which cuBLAS
+# cannot: with NARROW_ROWS > MAX_ROWS a plain matmul of such a step takes the best tile when
+# that one is within NARROW_MARGIN of cuBLAS alone. Not measured in the engine yet, so off
+# (NARROW_ROWS = MAX_ROWS); PAGEDBACKEND_NARROW_ROWS=64 (at most MAX_DOT_ROWS) turns it on.
+NARROW_ROWS = min(int(os.environ.get("PAGEDBACKEND_NARROW_ROWS", str(MAX_ROWS))), MAX_DOT_ROWS)
+NARROW_MARGIN = 1.10
 
 
 # What the kernel does to its input on the way in (PROLOGUE): nothing; RMSNorm; residual add +
@@ -299,7 +308,8 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
     ref = baseline().float()
     base = _time_us(baseline)
     best, best_us = None, float("inf")
-    for cfg in CANDIDATES + (DOT_CANDIDATES if rows > 1 else ()):
+    narrow = rows > MAX_ROWS          # only the tensor-core tiles take more than MAX_ROWS
+    for cfg in (() if narrow else CANDIDATES) + (DOT_CANDIDATES if rows > 1 else ()):
         try:
             # a tile that is wrong here (e.g. a miscompile) or fails is never chosen; the
             # fused norm skips one bf16 rounding, hence the tolerance
@@ -313,7 +323,7 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
                            what, cfg, rows, n, k)
         elif us < best_us:
             best, best_us = cfg, us
-    if best is not None and best_us >= base * MARGIN:
+    if best is not None and best_us >= base * (NARROW_MARGIN if narrow else MARGIN):
         best = None
     logger.info("skinny GEMM rows<=%d N=%d K=%d %s %s: cuBLAS %.1f us, %s", rows, n, k,
                 str(dt).replace("torch.", ""), what, base,
@@ -327,7 +337,8 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """The tile measured faster than cuBLAS for this (rows, weight, prologue), or None for
     cuBLAS."""
     k_in = 2 * weight.shape[1] if prologue == SILU_MUL else weight.shape[1]
-    if not ENABLED or x.dim() != 2 or x.shape[0] > MAX_ROWS or x.stride(1) != 1 \
+    max_rows = max(MAX_ROWS, NARROW_ROWS) if prologue == PLAIN else MAX_ROWS
+    if not ENABLED or x.dim() != 2 or x.shape[0] > max_rows or x.stride(1) != 1 \
             or not weight.is_contiguous() or x.shape[1] != k_in:
         return None
     kind = ADD_NORM if prologue == NORM else prologue

@@ -193,7 +193,8 @@ class ModelRunner:
         a multiple of 16 and neither; short contexts and ~300-token ones (where decode rows
         of a small batch split the KV); one decode row (no program order, see
         decode.LONGEST_FIRST) and a decode step wider than one (sequence, kv head) per SM
-        (rotary + KV write in their own kernel, see decode.rope_in_decode). Eager even where
+        (rotary + KV write in their own kernel, see decode.rope_in_decode); every row-count
+        bucket of the skinny matmul up to gemv.MAX_DOT_ROWS. Eager even where
         a step of that shape would replay a graph (the graphs' own variants were built when
         they were captured; with enforce_eager there are none). Writes only scratch K/V into
         blocks no request owns yet."""
@@ -204,7 +205,10 @@ class ModelRunner:
         wide = min(self.config.max_num_seqs,
                    num_sms(k_cache.device.index) // k_cache.shape[2] + 1)
         for start in sorted({3, max(3, longest)}):
-            for q_lens in ([1], [1, 1], [1] * wide, [17], [16], [1, 17], [1, 1, 16], [3, 1]):
+            # [1] * 5 and [40]: 8 and 64 rows, the narrow matmul buckets no other step has
+            # (gemv.NARROW_ROWS: tuned and compiled here, not mid-serving, with enforce_eager)
+            for q_lens in ([1], [1, 1], [1] * wide, [17], [16], [1, 17], [1, 1, 16], [3, 1],
+                           [1] * 5, [40]):
                 n = len(q_lens)
                 starts = np.full(n, start, dtype=np.int64)
                 q = np.array(q_lens, dtype=np.int64)
