@@ -11,8 +11,9 @@ import pytest
 from pagedbackend.engine.detokenizer import decode_delta
 from pagedbackend.outputs import CompletionOutput, RequestOutput
 from pagedbackend.sampling_params import SamplingParams
-from pagedbackend.serving.engine_loop import Chunk, EngineLoop, Outgoing, coalesce
+from pagedbackend.serving.engine_loop import EngineLoop
 from pagedbackend.serving.request import ParsedRequest
+from pagedbackend.serving.responses import Chunk, Outgoing, coalesce
 
 
 @dataclass

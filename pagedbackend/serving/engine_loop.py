@@ -9,7 +9,8 @@ Threading model:
 - The sender thread alone calls `send(handle, outgoing)`; it sends exactly one final per request,
   because only the loop (or, once the loop is dead, `submit`) creates final items, once each.
 - The sender takes everything queued at once and merges each request's chunks into one response
-  (`coalesce`), so a sender that falls behind sends fewer, larger responses instead of a backlog.
+  (`responses.coalesce`), so a sender that falls behind sends fewer, larger responses instead of
+  a backlog.
 - With `max_responses_per_s` the loop itself holds back streamed steps so that all requests
   together send about that many responses per second (each request every len(live) / rate
   seconds; the first token and the final go at once). Every response costs an IPC round trip in
@@ -27,7 +28,6 @@ Threading model:
 from __future__ import annotations
 
 import itertools
-import json
 import queue
 import threading
 import time
@@ -37,35 +37,13 @@ from typing import Any, Callable, Optional
 
 from pagedbackend.serving.queues import take_batch
 from pagedbackend.serving.request import ParsedRequest
+from pagedbackend.serving.responses import (Chunk, Outgoing, coalesce, last_logprobs,
+                                             merge_chunks)
 
 from pagedbackend.engine.detokenizer import DETOKENIZE_CONTEXT, MAX_EXTRA_CONTEXT, context_for
 
 # Ids kept per request so context_for can start the detokenizer's context on a clean boundary.
 _TAIL = DETOKENIZE_CONTEXT + MAX_EXTRA_CONTEXT
-
-
-@dataclass
-class Chunk:
-    """What one engine-model response carries (the detokenizer turns it into text)."""
-    token_ids: list[int]
-    context_ids: list[int]            # ids just before token_ids, for stateless detokenization
-    text: Optional[str]               # set when the engine made the text itself (stop strings)
-    finish_reason: Optional[str]
-    num_input_tokens: int
-    num_output_tokens: int            # tokens in this response (the whole output if not streaming)
-    prefix: str = ""                  # the prompt text, first response only, when echoing it
-    request_key: str = ""             # names the request in a later `stop` request
-    # Per token in token_ids, when the request asked for logprobs: (sampled id, its logprob,
-    # [(id, logprob), ...] the top-k best first).
-    logprobs: Optional[list] = None
-
-    def logprobs_json(self) -> str:
-        """JSON for the `logprobs` output: [{"token_id", "logprob", "top_logprobs":
-        [[id, logprob], ...]}, ...], or "" when not asked for."""
-        if self.logprobs is None:
-            return ""
-        return json.dumps([{"token_id": t, "logprob": lp, "top_logprobs": top}
-                           for t, lp, top in self.logprobs])
 
 
 # At most this many is_cancelled() IPC calls per cancel_poll_s (320/s at 50 ms): with 256 open
@@ -74,15 +52,6 @@ class Chunk:
 # stopped by its stream_guard, not by this poll.
 CANCEL_CHECKS_PER_POLL = 16
 _NOTHING = object()
-
-
-@dataclass
-class Outgoing:
-    handle: Any
-    chunk: Optional[Chunk] = None
-    error: Optional[str] = None
-    error_kind: str = "internal"      # "invalid" | "cancelled" | "unavailable" | "internal"
-    final: bool = False
 
 
 @dataclass
@@ -323,9 +292,9 @@ class EngineLoop:
             chunk = Chunk(new_ids, context, text, comp.finish_reason if finished else None,
                           live.prompt_len, len(new_ids), prefix=self._echo(live, out) if first
                           else "", request_key=live.key,
-                          logprobs=_logprobs(comp.logprobs, len(new_ids), live.req.params))
+                          logprobs=last_logprobs(comp.logprobs, len(new_ids), live.req.params))
             if live.held is not None:
-                chunk, live.held = _merge(live.held, chunk), None
+                chunk, live.held = merge_chunks(live.held, chunk), None
             if finished:
                 self._finish(out.request_id, Outgoing(live.handle, chunk, final=True),
                              reason=comp.finish_reason, now=now)
@@ -345,7 +314,7 @@ class EngineLoop:
                           "".join(live.text) if live.text_mode else None, comp.finish_reason,
                           live.prompt_len, len(live.ids), prefix=self._echo(live, out),
                           request_key=live.key,
-                          logprobs=_logprobs(comp.logprobs, len(live.ids), live.req.params))
+                          logprobs=last_logprobs(comp.logprobs, len(live.ids), live.req.params))
             self._finish(out.request_id, Outgoing(live.handle, chunk, final=True),
                          reason=comp.finish_reason, now=now)
 
@@ -454,53 +423,3 @@ class EngineLoop:
                 cancelled = False
             if cancelled:
                 self._cancels.put(rid)      # the loop ignores ids it has already finished
-
-
-def coalesce(items: list[Outgoing]) -> list[Outgoing]:
-    """Merge the queued streaming chunks of each request into one response, in order.
-
-    Each response costs an IPC round trip in every Python-backend model of the ensemble, so when
-    the sender falls behind the engine (hundreds of streams), sending one response per request
-    per engine step caps the server far below the engine; vLLM's stream interval does the same
-    trade. When the sender keeps up, nothing is queued and every step still streams alone.
-    Errors and bare finals are never merged; a request's items keep their order."""
-    out: list[Outgoing] = []
-    open_at: dict[int, int] = {}        # id(handle) -> index in out of its mergeable chunk
-    for item in items:
-        key = id(item.handle)
-        if item.chunk is None or item.error is not None:
-            open_at.pop(key, None)
-            out.append(item)
-            continue
-        i = open_at.get(key)
-        if i is None:
-            out.append(item)
-        else:
-            out[i] = Outgoing(item.handle, _merge(out[i].chunk, item.chunk), final=item.final)
-        if item.final:
-            open_at.pop(key, None)
-        else:
-            open_at[key] = i if i is not None else len(out) - 1
-    return out
-
-
-def _merge(a: Chunk, b: Chunk) -> Chunk:
-    """a then b as one chunk: a's context (the detokenizer decodes from it over both), b's end."""
-    text = a.text + b.text if a.text is not None and b.text is not None else None
-    logprobs = a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None \
-        else None
-    return Chunk(a.token_ids + b.token_ids, a.context_ids, text, b.finish_reason,
-                 b.num_input_tokens, a.num_output_tokens + b.num_output_tokens,
-                 prefix=a.prefix, request_key=b.request_key or a.request_key, logprobs=logprobs)
-
-
-def _logprobs(entries: Optional[list], n: int, params: Any) -> Optional[list]:
-    """The last n positions' logprobs as (sampled id, logprob, top-k best first)."""
-    if entries is None or params.logprobs is None:
-        return None
-    out = []
-    for d in entries[len(entries) - n:] if n else []:
-        tok, lp = next(iter(d.items()))        # the sampled token comes first
-        top = sorted(d.items(), key=lambda kv: -kv[1])[:params.logprobs]
-        out.append((tok, lp, [[t, v] for t, v in top]))
-    return out

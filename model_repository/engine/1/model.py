@@ -29,10 +29,11 @@ ROOT = Path(__file__).resolve().parents[3]      # this checkout, when pagedbacke
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pagedbackend.serving.engine_loop import EngineLoop, Outgoing  # noqa: E402
+from pagedbackend.serving.engine_loop import EngineLoop  # noqa: E402
 from pagedbackend.serving.metrics import ServingMetrics, cache_config_labels  # noqa: E402
 from pagedbackend.serving.request import (RequestError, check_single_batch,  # noqa: E402
                                           parse_request)
+from pagedbackend.serving.responses import Outgoing  # noqa: E402
 from pagedbackend.serving.settings import (engine_config, parameters_of,  # noqa: E402
                                            streaming_options)
 
