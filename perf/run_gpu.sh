@@ -116,7 +116,6 @@ for s in $stages; do
     benchsweep) run benchsweep 200 python3 perf/kernels_bench.py --sweep ;;
     # cuBLAS at llama-3.1-8b's projection shapes across row counts (W2's GEMM bound), ~30 s
     gemm) run gemm 90 python3 perf/gemm_bench.py ;;
-    # cuBLAS at the narrow steps of W4 (~30-40 rows) and W5's tail: how near HBM bandwidth
     # narrow steps (5-64 rows) on the skinny kernel's tensor-core tiles, chained by PDL in the
     # decode graphs (gemv.NARROW_ROWS, off by default): the no-compile test with it on, then
     # W5's requests and W4 at rate 16 into the engine, A-B-A
@@ -126,6 +125,7 @@ for s in $stages; do
                 --ab narrow,default ;;
     # tensor-core tiles for 16 and 64 rows against cuBLAS
     gemmsweep) run gemmsweep 240 python3 perf/gemm_bench.py --sweep --rows 16,64 ;;
+    # cuBLAS at the narrow steps of W4 (~30-40 rows) and W5's tail: how near HBM bandwidth
     gemmsmall) run gemmsmall 150 python3 perf/gemm_bench.py --triton --rows 1,2,4,8,16,24,32,48,64,96,128 ;;
     # issue 8, on a kind with >= 2 GPUs: TP=2 == TP=1 greedy (4 archs), W1/W2 at TP=1 and TP=2
     tp2) run tp2 420 python3 perf/tp_scaling.py --tp 2 ;;
