@@ -92,10 +92,12 @@ def decode_config(head_dim: int, kv_element_size: int = 2) -> dict:
     # K+V tiles are 32 KiB at D=128, so two stages leave room for 3 CTAs per SM. Three stages
     # were 3-8% faster alone at 2048-token contexts (kernels_bench --sweep) but no W2 run was
     # measurably faster with them (H200, 2026-12-03; perf/RESULTS.md, calls 17 to 21).
+    # An fp8 cache (kv_element_size 1) takes FP8_BLOCK_N tiles and computes in fp16 (F16).
+    fp8 = kv_element_size == 1
+    cfg = dict(BLOCK_N=32, num_warps=4, num_stages=2, F16=fp8 and FP8_F16)
     if head_dim <= 128:
-        return dict(BLOCK_N=FP8_BLOCK_N if kv_element_size == 1 else 64, num_warps=4,
-                    num_stages=2)
-    return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+        cfg["BLOCK_N"] = FP8_BLOCK_N if fp8 else 64
+    return cfg
 
 
 @triton.jit
@@ -320,7 +322,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM=d, BLOCK_D=next_pow2(d, 16), BLOCK_SIZE=k_cache.shape[1],
         BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, PRECISION=dot_precision(q.dtype),
         MIXED=mixed, ROPE=rope_store is not None, ORDERED=order is not None,
-        F16=k_cache.dtype == torch.float8_e4m3fn and cfg.get("F16", FP8_F16),
+        F16=cfg["F16"],
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_launch(q))
     if num_splits > 1:
