@@ -703,7 +703,7 @@ def test_single_sequence_prefill_graph_matches_eager(tmp_path):
 
     from pagedbackend import LLM
     from pagedbackend.testing import TINY_CONFIGS
-    from pagedbackend.worker.model_runner import HostInputs
+    from pagedbackend.worker.step_inputs import HostInputs
     cfg = dict(TINY_CONFIGS["llama"], architectures=["LlamaForCausalLM"], model_type="llama",
                max_position_embeddings=2048)
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -1,4 +1,5 @@
-"""Runs one scheduled step on one device: builds flattened inputs, runs the model, samples.
+"""Runs one scheduled step on one device: its inputs (step_inputs.py) onto the device, the
+model, sampling.
 
 The runner never sees the allocator: block ids arrive in the SchedulerOutput. It owns the
 model, the KV cache tensors, the sampler and per-request random generators.
@@ -17,11 +18,13 @@ import torch
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.scheduler import SchedulerOutput
 from pagedbackend.layers.attention import AttentionMetadata
-from pagedbackend.layers.sampler import Sampler, SamplingMetadata, argmax, to_device_async
+from pagedbackend.layers.sampler import Sampler, SamplingMetadata, argmax
 from pagedbackend.models import build_model, load_weights
 from pagedbackend.worker import cuda_graph
 from pagedbackend.worker.cuda_graph import DecodeGraphs, PrefillGraphs
 from pagedbackend.worker.kv_sizing import kv_bytes_per_block, num_blocks_for_device
+from pagedbackend.worker.step_inputs import (HostInputs, StepInputs, host_inputs, upload,
+                                             warmup_inputs)
 
 logger = logging.getLogger("pagedbackend")
 
@@ -35,27 +38,6 @@ class RunnerResult:
     logprobs: dict[str, tuple[float, dict[int, float]]] = field(default_factory=dict)
 
 
-class HostInputs:
-    """A step's flattened inputs as numpy arrays (built on the host, copied once).
-
-    ph_dst/ph_src: token positions whose id is still in flight (async scheduling): the
-    previous step's sampled id of row ph_src[i] goes to token ph_dst[i], on the device."""
-
-    def __init__(self, tokens, positions, q_lens, starts, table, sample_rows, block_size,
-                 ph_dst=None, ph_src=None):
-        self.tokens, self.positions, self.q_lens, self.table = tokens, positions, q_lens, table
-        self.sample_rows = sample_rows
-        self.cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        self.seq_lens = (starts + q_lens).astype(np.int32)
-        row_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
-        self.slots = (table[row_of_token, positions // block_size].astype(np.int64) * block_size
-                      + positions % block_size)
-        self.decode_only = len(tokens) == len(q_lens)
-        empty = np.zeros(0, np.int64)
-        self.ph_dst = empty if ph_dst is None else ph_dst
-        self.ph_src = empty if ph_src is None else ph_src
-
-
 @dataclass
 class Launched:
     """A step whose sampled ids are on their way to the host (see ModelRunner.launch)."""
@@ -64,15 +46,6 @@ class Launched:
     done: Any = None                    # CUDA event recorded after the copy
     start: Any = None                   # CUDA timing event before the step's first upload
     logprobs: Any = None
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor
-    sample_rows: list[int]          # indices into sched.scheduled of the rows that sample
 
 
 def make_attn_backend(device: torch.device):
@@ -187,98 +160,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self, max_model_len: int = 1 << 30) -> None:
-        """Run eager steps of every shape class so each triton kernel variant is compiled at
-        start: a first compile in the middle of serving stalls every request for about a
-        second. The classes: decode rows alone, prefill alone, both mixed; token counts of 1,
-        a multiple of 16 and neither; short contexts and ~300-token ones (where decode rows
-        of a small batch split the KV); one decode row (no program order, see
-        decode.LONGEST_FIRST) and a decode step wider than one (sequence, kv head) per SM
-        (rotary + KV write in their own kernel, see decode.rope_in_decode); every row-count
-        bucket of the skinny matmul up to gemv.MAX_DOT_ROWS. Eager even where
-        a step of that shape would replay a graph (the graphs' own variants were built when
-        they were captured; with enforce_eager there are none). Writes only scratch K/V into
-        blocks no request owns yet."""
+        """Run step_inputs.warmup_inputs' scratch steps eagerly, so every triton kernel variant
+        is compiled at start. Eager even where a step of that shape would replay a graph (the
+        graphs' own variants were built when they were captured; with enforce_eager there are
+        none)."""
         from pagedbackend.kernels.common import num_sms
-        bs = self.block_size
-        longest = min(300, max_model_len - 20, self.num_kv_blocks * bs // 4 - 20)
         k_cache = self.kv_caches[0][0]      # what the attention backend decides from
         wide = min(self.config.max_num_seqs,
                    num_sms(k_cache.device.index) // k_cache.shape[2] + 1)
-        for start in sorted({3, max(3, longest)}):
-            # [1] * 5 and [40]: 8 and 64 rows, the narrow matmul buckets no other step has
-            # (gemv.NARROW_ROWS: tuned and compiled here, not mid-serving, with enforce_eager)
-            for q_lens in ([1], [1, 1], [1] * wide, [17], [16], [1, 17], [1, 1, 16], [3, 1],
-                           [1] * 5, [40]):
-                n = len(q_lens)
-                starts = np.full(n, start, dtype=np.int64)
-                q = np.array(q_lens, dtype=np.int64)
-                per_row = -(-(start + max(q_lens)) // bs)
-                table = (np.arange(n * per_row) % self.num_kv_blocks).astype(np.int32)
-                table = table.reshape(n, per_row)
-                positions = np.concatenate([np.arange(start, start + k) for k in q_lens])
-                h = HostInputs(np.zeros(int(q.sum()), np.int64), positions, q, starts, table,
-                               list(range(n)), bs)
-                logits = self.forward_logits(h, graphs=False)
-                if logits is not None:
-                    # the greedy sampler's kernel, too: on the logits as they are, and widened
-                    # (the sampler's path when penalties or random rows share the step)
-                    argmax(logits)
-                    argmax(logits.float())
+        for h in warmup_inputs(self.block_size, self.num_kv_blocks, max_model_len, wide):
+            logits = self.forward_logits(h, graphs=False)
+            if logits is not None:
+                # the greedy sampler's kernel, too: on the logits as they are, and widened
+                # (the sampler's path when penalties or random rows share the step)
+                argmax(logits)
+                argmax(logits.float())
         self.path_steps = new_path_steps()      # the warm-up's steps are not the engine's
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     # -- one step ------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> HostInputs:
-        rows = sched.scheduled
-        q_lens = np.fromiter((s.num_new_tokens for s in rows), np.int64, len(rows))
-        starts = np.fromiter((s.start for s in rows), np.int64, len(rows))
-        tokens: list[int] = []
-        ph_dst, ph_src = [], []
-        for s in rows:
-            ids = s.request.all_token_ids
-            end = s.start + s.num_new_tokens
-            if end > len(ids):
-                # The last token was sampled by the step still in flight (async scheduling).
-                tokens.extend(ids[s.start:])
-                if end != len(ids) + 1 or s.request.request_id not in self.prev_rows:
-                    raise RuntimeError(f"request {s.request.request_id!r} is scheduled past "
-                                       "its known tokens without a sample in flight")
-                ph_dst.append(len(tokens))
-                ph_src.append(self.prev_rows[s.request.request_id])
-                tokens.append(0)
-            else:
-                tokens.extend(ids[s.start:end])
-        cu = np.concatenate([[0], np.cumsum(q_lens)])
-        positions = np.arange(len(tokens)) - np.repeat(cu[:-1] - starts, q_lens)
-        bs = self.block_size
-        n_blocks = [-(-(st + q) // bs) for st, q in zip(starts.tolist(), q_lens.tolist())]
-        table = np.zeros((len(rows), max(n_blocks)), dtype=np.int32)
-        for i, (s, nb) in enumerate(zip(rows, n_blocks)):
-            table[i, :nb] = s.block_ids[:nb]
-        sample_rows = [i for i, s in enumerate(rows) if s.samples]
-        return HostInputs(np.array(tokens, np.int64), positions, q_lens, starts, table,
-                          sample_rows, bs, np.array(ph_dst, np.int64), np.array(ph_src, np.int64))
-
-    def upload(self, arrays: list) -> list[torch.Tensor]:
-        """Integer numpy arrays -> int64 device tensors (same shapes) in one copy; from pinned
-        memory on CUDA, so it neither blocks the host nor waits for earlier GPU work."""
-        # Every array starts on a 16-byte boundary: triton specializes kernels on pointer
-        # alignment, and views at odd offsets would compile new variants in mid-serving.
-        sizes = [int(np.size(a)) for a in arrays]
-        starts = np.concatenate([[0], np.cumsum([n + n % 2 for n in sizes])])
-        flat = np.zeros(int(starts[-1]), dtype=np.int64)
-        for a, o, n in zip(arrays, starts, sizes):
-            flat[o:o + n] = np.asarray(a, dtype=np.int64).ravel()
-        dev = to_device_async(torch.from_numpy(flat), self.device)
-        return [dev[o:o + n].view(np.shape(a)) for a, o, n in zip(arrays, starts, sizes)]
+        return host_inputs(sched.scheduled, self.block_size, self.prev_rows)
 
     def _upload_step(self, h: HostInputs) -> list[torch.Tensor]:
         """[tokens, positions, slots, cu, seq_lens, table, logits_idx] on the device (int64),
         with the ids of in-flight tokens filled in from the previous launch's samples."""
         logits_idx = h.cu[1:][h.sample_rows] - 1
-        *arrays, ph_dst, ph_src = self.upload([h.tokens, h.positions, h.slots, h.cu, h.seq_lens,
-                                               h.table, logits_idx, h.ph_dst, h.ph_src])
+        *arrays, ph_dst, ph_src = upload([h.tokens, h.positions, h.slots, h.cu, h.seq_lens,
+                                          h.table, logits_idx, h.ph_dst, h.ph_src], self.device)
         if len(h.ph_dst):
             if self.prev_sampled is None:
                 raise RuntimeError("a step refers to sampled ids of a previous step that did "

@@ -1,0 +1,120 @@
+"""A step's inputs: flattened on the host from a SchedulerOutput, then copied to the device once.
+
+Also the scratch steps the runner warms up with at start (every kernel variant a serving step
+can need, compiled before the first request instead of in the middle of one).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from pagedbackend.layers.attention import AttentionMetadata
+from pagedbackend.layers.sampler import to_device_async
+
+
+class HostInputs:
+    """A step's flattened inputs as numpy arrays (built on the host, copied once).
+
+    ph_dst/ph_src: token positions whose id is still in flight (async scheduling): the
+    previous step's sampled id of row ph_src[i] goes to token ph_dst[i], on the device."""
+
+    def __init__(self, tokens, positions, q_lens, starts, table, sample_rows, block_size,
+                 ph_dst=None, ph_src=None):
+        self.tokens, self.positions, self.q_lens, self.table = tokens, positions, q_lens, table
+        self.sample_rows = sample_rows
+        self.cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        self.seq_lens = (starts + q_lens).astype(np.int32)
+        row_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+        self.slots = (table[row_of_token, positions // block_size].astype(np.int64) * block_size
+                      + positions % block_size)
+        self.decode_only = len(tokens) == len(q_lens)
+        empty = np.zeros(0, np.int64)
+        self.ph_dst = empty if ph_dst is None else ph_dst
+        self.ph_src = empty if ph_src is None else ph_src
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_rows: list[int]          # indices into sched.scheduled of the rows that sample
+
+
+def host_inputs(rows: list, block_size: int, prev_rows: dict[str, int]) -> HostInputs:
+    """The HostInputs of a SchedulerOutput's rows. prev_rows maps a request id to its row in
+    the sampled ids of the step still in flight, for rows whose last token is one of them."""
+    q_lens = np.fromiter((s.num_new_tokens for s in rows), np.int64, len(rows))
+    starts = np.fromiter((s.start for s in rows), np.int64, len(rows))
+    tokens: list[int] = []
+    ph_dst, ph_src = [], []
+    for s in rows:
+        ids = s.request.all_token_ids
+        end = s.start + s.num_new_tokens
+        if end > len(ids):
+            # The last token was sampled by the step still in flight (async scheduling).
+            tokens.extend(ids[s.start:])
+            if end != len(ids) + 1 or s.request.request_id not in prev_rows:
+                raise RuntimeError(f"request {s.request.request_id!r} is scheduled past "
+                                   "its known tokens without a sample in flight")
+            ph_dst.append(len(tokens))
+            ph_src.append(prev_rows[s.request.request_id])
+            tokens.append(0)
+        else:
+            tokens.extend(ids[s.start:end])
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    positions = np.arange(len(tokens)) - np.repeat(cu[:-1] - starts, q_lens)
+    n_blocks = [-(-(st + q) // block_size) for st, q in zip(starts.tolist(), q_lens.tolist())]
+    table = np.zeros((len(rows), max(n_blocks)), dtype=np.int32)
+    for i, (s, nb) in enumerate(zip(rows, n_blocks)):
+        table[i, :nb] = s.block_ids[:nb]
+    sample_rows = [i for i, s in enumerate(rows) if s.samples]
+    return HostInputs(np.array(tokens, np.int64), positions, q_lens, starts, table,
+                      sample_rows, block_size, np.array(ph_dst, np.int64),
+                      np.array(ph_src, np.int64))
+
+
+def upload(arrays: list, device: torch.device) -> list[torch.Tensor]:
+    """Integer numpy arrays -> int64 device tensors (same shapes) in one copy; from pinned
+    memory on CUDA, so it neither blocks the host nor waits for earlier GPU work."""
+    # Every array starts on a 16-byte boundary: triton specializes kernels on pointer
+    # alignment, and views at odd offsets would compile new variants in mid-serving.
+    sizes = [int(np.size(a)) for a in arrays]
+    starts = np.concatenate([[0], np.cumsum([n + n % 2 for n in sizes])])
+    flat = np.zeros(int(starts[-1]), dtype=np.int64)
+    for a, o, n in zip(arrays, starts, sizes):
+        flat[o:o + n] = np.asarray(a, dtype=np.int64).ravel()
+    dev = to_device_async(torch.from_numpy(flat), device)
+    return [dev[o:o + n].view(np.shape(a)) for a, o, n in zip(arrays, starts, sizes)]
+
+
+def warmup_inputs(block_size: int, num_kv_blocks: int, max_model_len: int,
+                  wide: int) -> Iterator[HostInputs]:
+    """Scratch steps of every shape class, so each triton kernel variant is compiled at start:
+    a first compile in the middle of serving stalls every request for about a second.
+
+    The classes: decode rows alone, prefill alone, both mixed; token counts of 1, a multiple of
+    16 and neither; short contexts and ~300-token ones (where decode rows of a small batch split
+    the KV); one decode row (no program order, see decode.LONGEST_FIRST) and `wide` decode rows,
+    more than one (sequence, kv head) per SM (rotary + KV write in their own kernel, see
+    decode.rope_in_decode); every row-count bucket of the skinny matmul up to
+    gemv.MAX_DOT_ROWS. Their K/V goes to blocks no request owns yet."""
+    bs = block_size
+    longest = min(300, max_model_len - 20, num_kv_blocks * bs // 4 - 20)
+    for start in sorted({3, max(3, longest)}):
+        # [1] * 5 and [40]: 8 and 64 rows, the narrow matmul buckets no other step has
+        # (gemv.NARROW_ROWS: tuned and compiled here, not mid-serving, with enforce_eager)
+        for q_lens in ([1], [1, 1], [1] * wide, [17], [16], [1, 17], [1, 1, 16], [3, 1],
+                       [1] * 5, [40]):
+            n = len(q_lens)
+            starts = np.full(n, start, dtype=np.int64)
+            q = np.array(q_lens, dtype=np.int64)
+            per_row = -(-(start + max(q_lens)) // bs)
+            table = (np.arange(n * per_row) % num_kv_blocks).astype(np.int32)
+            positions = np.concatenate([np.arange(start, start + k) for k in q_lens])
+            yield HostInputs(np.zeros(int(q.sum()), np.int64), positions, q, starts,
+                             table.reshape(n, per_row), list(range(n)), bs)
