@@ -55,14 +55,14 @@ MAX_DOT_ROWS = 64
 MARGIN = 0.97      # the kernel must take < 97% of cuBLAS's time to replace it
 ENABLED = os.environ.get("PAGEDBACKEND_SKINNY_GEMM", "1") != "0"
 # Narrow steps (MAX_ROWS < rows <= NARROW_ROWS; W4's ~30-40 rows, W5's tail): cuBLAS runs
-# q|k|v, o_proj and down there at 2.2-3.0 TB/s, the same time from 1 to 128 rows, and the
-# tensor-core tiles tie it when each is timed alone (perf/RESULTS.md, calls 30 and 31). In a
-# decode graph the tile would overlap its start with the kernel before it (PDL), which cuBLAS
-# cannot: with NARROW_ROWS > MAX_ROWS a plain matmul of such a step takes the best tile when
-# that one is within NARROW_MARGIN of cuBLAS alone. Not measured in the engine yet, so off
-# (NARROW_ROWS = MAX_ROWS); PAGEDBACKEND_NARROW_ROWS=64 (at most MAX_DOT_ROWS) turns it on.
+# q|k|v, o_proj and down there at 2.2-3.0 TB/s, the same time from 1 to 128 rows (perf/RESULTS.md,
+# calls 30 and 31). With NARROW_ROWS > MAX_ROWS a plain matmul of such a step takes the best
+# tensor-core tile where it beats cuBLAS by MARGIN, as everywhere else: o_proj and the LM head
+# on the H200. Taking tiles within 10% of cuBLAS, in the hope that PDL's overlap in the decode
+# graphs would make up the difference, lost 0.9% on W5's requests (call 36). Off
+# (NARROW_ROWS = MAX_ROWS) until measured in the engine; PAGEDBACKEND_NARROW_ROWS=64 (at most
+# MAX_DOT_ROWS) turns it on.
 NARROW_ROWS = min(int(os.environ.get("PAGEDBACKEND_NARROW_ROWS", str(MAX_ROWS))), MAX_DOT_ROWS)
-NARROW_MARGIN = 1.10
 
 
 # What the kernel does to its input on the way in (PROLOGUE): nothing; RMSNorm; residual add +
@@ -323,7 +323,7 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
                            what, cfg, rows, n, k)
         elif us < best_us:
             best, best_us = cfg, us
-    if best is not None and best_us >= base * (NARROW_MARGIN if narrow else MARGIN):
+    if best is not None and best_us >= base * MARGIN:
         best = None
     logger.info("skinny GEMM rows<=%d N=%d K=%d %s %s: cuBLAS %.1f us, %s", rows, n, k,
                 str(dt).replace("torch.", ""), what, base,
