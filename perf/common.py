@@ -94,7 +94,7 @@ def run_variants(names: str, make_llm, body) -> None:
     order, not the longest sequences first), fp8kv (make_llm(kv_cache_dtype="fp8")), fp8n64
     (an fp8 cache's decode tile of 64 tokens, as bf16's, not decode.FP8_BLOCK_N), narrow
     (plain matmuls of 5-64 rows may take the skinny kernel's tensor-core tiles:
-    gemv.NARROW_ROWS = 64),
+    gemv_tuning.NARROW_ROWS = 64),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". "default" undoes every switch and runs the
     default again (label "default-again", then "default-again-2", ...): an A-B-A order shows
@@ -104,7 +104,7 @@ def run_variants(names: str, make_llm, body) -> None:
 
     import torch
 
-    from pagedbackend.kernels import common, decode, gemv, prefill
+    from pagedbackend.kernels import common, decode, gemv, gemv_tuning, prefill
     from pagedbackend.worker import cuda_graph
     variants = list(filter(None, names.split(",")))
 
@@ -128,7 +128,8 @@ def run_variants(names: str, make_llm, body) -> None:
             continue
         active = [a for a in active if kind(a) != kind(v) or kind(v) == v] + [v]
         steps.append(("-".join(active), v))
-    switches = ((common, "PDL_ENABLED"), (gemv, "ENABLED"), (gemv, "NARROW_ROWS"),
+    switches = ((common, "PDL_ENABLED"), (gemv_tuning, "ENABLED"),
+                (gemv_tuning, "NARROW_ROWS"),
                 (decode, "ROPE_IN_DECODE"),
                 (decode, "LONGEST_FIRST"),
                 (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
@@ -145,7 +146,7 @@ def run_variants(names: str, make_llm, body) -> None:
         elif switch == "nopdl":
             common.PDL_ENABLED = False
         elif switch == "cublas":
-            gemv.ENABLED = False
+            gemv_tuning.ENABLED = False
         elif switch == "ropekernel":
             decode.ROPE_IN_DECODE = False
         elif switch == "eagerprefill":
@@ -157,7 +158,7 @@ def run_variants(names: str, make_llm, body) -> None:
         elif switch == "gridorder":
             decode.LONGEST_FIRST = False
         elif switch == "narrow":
-            gemv.NARROW_ROWS = gemv.MAX_DOT_ROWS
+            gemv_tuning.NARROW_ROWS = gemv.MAX_DOT_ROWS
         elif switch == "fp8n64":
             decode.FP8_BLOCK_N = 64
         elif switch == "fp8kv":

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedbackend.kernels import gemv  # noqa: E402
-from pagedbackend.kernels.gemv import _time_us  # noqa: E402
+from pagedbackend.kernels.gemv_tuning import _time_us  # noqa: E402
 
 LAYERS = 32
 # (name, N, K, per model): llama-3.1-8b, hidden 4096, 32 q / 8 kv heads x 128, intermediate 14336

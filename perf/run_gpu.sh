@@ -117,7 +117,7 @@ for s in $stages; do
     # cuBLAS at llama-3.1-8b's projection shapes across row counts (W2's GEMM bound), ~30 s
     gemm) run gemm 90 python3 perf/gemm_bench.py ;;
     # narrow steps (5-64 rows) on the skinny kernel's tensor-core tiles, chained by PDL in the
-    # decode graphs (gemv.NARROW_ROWS, off by default): the no-compile test with it on, then
+    # decode graphs (gemv_tuning.NARROW_ROWS, off by default): the no-compile test with it on, then
     # W5's requests and W4 at rate 16 into the engine, A-B-A
     compilesnarrow) PAGEDBACKEND_NARROW_ROWS=64 run compilesnarrow 160 python3 -m pytest -q tests/test_kernels.py -k "compiles" ;;
     w5narrow) run w5narrow 300 python3 perf/w3_mix.py --model llama-3.1-8b --ab narrow,default ;;

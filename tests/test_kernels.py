@@ -493,7 +493,7 @@ def test_skinny_silu_linear_matches_activation_then_linear(dtype):
 def test_layers_run_the_norm_and_activation_inside_the_skinny_matmul():
     """norm_linear / forward_silu_mul on CUDA take the fused kernels where the skinny tile is
     the choice for the shape, and agree with the separate norm / activation + matmul."""
-    from pagedbackend.kernels import gemv
+    from pagedbackend.kernels import gemv, gemv_tuning
     from pagedbackend.layers.linear import ColumnParallelLinear, RowParallelLinear, norm_linear
     from pagedbackend.layers.norm import RMSNorm
     h, inter, dt = 1024, 2048, torch.bfloat16
@@ -507,7 +507,7 @@ def test_layers_run_the_norm_and_activation_inside_the_skinny_matmul():
         for w, kind in ((proj.weight, gemv.ADD_NORM), (down.weight, gemv.SILU_MUL)):
             # make the skinny tile the choice
             key = (w.device.index, gemv.rows_bucket(rows), *w.shape, dt, kind)
-            gemv._CHOICE[key] = (16, 512, 4, 3)
+            gemv_tuning._CHOICE[key] = (16, 512, 4, 3)
         x, r = torch.randn(rows, h, device=DEV, dtype=dt), torch.randn(rows, h, device=DEV, dtype=dt)
         y, new_r = norm_linear(x, r, norm, proj)
         hn, ref_r = norm(x, r)
@@ -519,7 +519,7 @@ def test_layers_run_the_norm_and_activation_inside_the_skinny_matmul():
         gate_up = torch.randn(rows, 2 * inter, device=DEV, dtype=dt)
         ref = torch.nn.functional.linear(kernels.silu_and_mul(gate_up), down.weight)
         assert rel_err(down.forward_silu_mul(gate_up), ref) < EXACTISH[dt]
-    gemv._CHOICE.clear()
+    gemv_tuning._CHOICE.clear()
 
 
 def test_argmax_rows_matches_torch_including_ties():
@@ -541,7 +541,7 @@ def test_skinny_tuning_picks_the_fastest_agreeing_tile_in_its_fused_form(monkeyp
     """The choice logic with scripted timings: every tile is timed in its fused form against
     what it replaces (norm / activation + matmul, 10 us here); the fastest tile that agrees
     wins if it beats that by the margin; a tile whose result is wrong is never chosen."""
-    from pagedbackend.kernels import gemv
+    from pagedbackend.kernels import gemv, gemv_tuning
     kind = {"plain": gemv.PLAIN, "add_norm": gemv.ADD_NORM, "silu_mul": gemv.SILU_MUL}[prologue]
     n, k = (1024, 512) if CUDA else (24, 64)
     w = (torch.randn(n, k, device=DEV) / k ** 0.5).to(torch.float32)
@@ -554,7 +554,7 @@ def test_skinny_tuning_picks_the_fastest_agreeing_tile_in_its_fused_form(monkeyp
         if args[3] != wrong:
             return out
         return (out[0] + 1, out[1]) if isinstance(out, tuple) else out + 1
-    monkeypatch.setattr(gemv, "skinny_linear", poisoned)
+    monkeypatch.setattr(gemv_tuning, "skinny_linear", poisoned)
     fast = [9.0, 8.0, 3.0, 7.0, 8.5, 9.5, 6.0]
     for us, wrong, expect in ((fast, None, cands[2]),
                               ([9.9, 9.8, 9.75, 9.9, 9.9, 9.9, 9.71], None, None),  # margin
@@ -567,8 +567,8 @@ def test_skinny_tuning_picks_the_fastest_agreeing_tile_in_its_fused_form(monkeyp
             cfg = fn.__defaults__[0] if fn.__defaults__ else None    # None: the baseline
             timed.append(cfg)
             return 10.0 if cfg is None else table[cfg]
-        monkeypatch.setattr(gemv, "_time_us", time_us)
-        assert gemv._tune(x, w, None, kind) == expect
+        monkeypatch.setattr(gemv_tuning, "_time_us", time_us)
+        assert gemv_tuning._tune(x, w, None, kind) == expect
         assert timed[0] is None and set(timed[1:]) == set(cands) - {wrong}
 
 
@@ -576,21 +576,23 @@ def test_narrow_steps_take_a_tensor_core_tile_only_when_switched_on(monkeypatch)
     """Rows past MAX_ROWS: off by default (cuBLAS, nothing tuned); with NARROW_ROWS raised, a
     plain matmul tunes among the tensor-core tiles only and keeps the best one where it beats
     cuBLAS by MARGIN; the fused prologues stay at MAX_ROWS."""
-    from pagedbackend.kernels import gemv
+    from pagedbackend.kernels import gemv, gemv_tuning
     n, k = (1024, 512) if CUDA else (24, 64)
     w = (torch.randn(n, k, device=DEV) / k ** 0.5).to(torch.float32)
     x = torch.randn(20, k, device=DEV)
-    monkeypatch.setattr(gemv, "_CHOICE", {})
-    monkeypatch.setattr(gemv, "ENABLED", True)
+    monkeypatch.setattr(gemv_tuning, "_CHOICE", {})
+    monkeypatch.setattr(gemv_tuning, "ENABLED", True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # the CPU
     tuned = []
-    monkeypatch.setattr(gemv, "_tune", lambda x, w, b, kind: tuned.append(
+    monkeypatch.setattr(gemv_tuning, "_tune", lambda x, w, b, kind: tuned.append(
         (x.shape[0], kind)) or gemv.DOT_CANDIDATES[0])
-    assert gemv.NARROW_ROWS == gemv.MAX_ROWS and gemv._choice(x, w, None) is None and not tuned
-    monkeypatch.setattr(gemv, "NARROW_ROWS", 64)
-    assert gemv._choice(x, w, None) == gemv.DOT_CANDIDATES[0] and tuned == [(20, gemv.PLAIN)]
-    assert gemv._choice(x, w, None, gemv.ADD_NORM) is None
-    assert gemv._choice(torch.randn(65, k, device=DEV), w, None) is None
+    assert gemv_tuning.NARROW_ROWS == gemv.MAX_ROWS
+    assert gemv_tuning._choice(x, w, None) is None and not tuned
+    monkeypatch.setattr(gemv_tuning, "NARROW_ROWS", 64)
+    assert gemv_tuning._choice(x, w, None) == gemv.DOT_CANDIDATES[0]
+    assert tuned == [(20, gemv.PLAIN)]
+    assert gemv_tuning._choice(x, w, None, gemv.ADD_NORM) is None
+    assert gemv_tuning._choice(torch.randn(65, k, device=DEV), w, None) is None
     monkeypatch.undo()
     for base_ratio, expect in ((0.95, gemv.DOT_CANDIDATES[1]), (0.99, None)):
         times = {c: 100.0 * base_ratio + i for i, c in enumerate(gemv.DOT_CANDIDATES[1:])}
@@ -601,15 +603,15 @@ def test_narrow_steps_take_a_tensor_core_tile_only_when_switched_on(monkeypatch)
             cfg = fn.__defaults__[0] if fn.__defaults__ else None
             assert cfg is None or len(cfg) > 4, "only tensor-core tiles past MAX_ROWS"
             return 100.0 if cfg is None else times[cfg]
-        monkeypatch.setattr(gemv, "_time_us", time_us)
-        monkeypatch.setattr(gemv, "NARROW_ROWS", 64)
-        assert gemv._tune(x, w, None, gemv.PLAIN) == expect
+        monkeypatch.setattr(gemv_tuning, "_time_us", time_us)
+        monkeypatch.setattr(gemv_tuning, "NARROW_ROWS", 64)
+        assert gemv_tuning._tune(x, w, None, gemv.PLAIN) == expect
         monkeypatch.undo()
 
 
 @pytest.mark.skipif(not CUDA, reason="the cuBLAS-vs-triton choice is timed on a CUDA device")
 def test_linear_dispatch_tunes_once_and_matches_cublas():
-    from pagedbackend.kernels import gemv
+    from pagedbackend.kernels import gemv_tuning
     from pagedbackend.layers.linear import linear
     n, k = 4096, 4096
     w = (torch.randn(n, k, device=DEV) / k ** 0.5).to(torch.bfloat16)
@@ -617,7 +619,7 @@ def test_linear_dispatch_tunes_once_and_matches_cublas():
         x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
         out = linear(x, w)
         assert rel_err(out, torch.nn.functional.linear(x, w)) < REL_TOL[torch.bfloat16]
-    keys = [key for key in gemv._CHOICE if key[2:4] == (n, k)]
+    keys = [key for key in gemv_tuning._CHOICE if key[2:4] == (n, k)]
     assert sorted(key[1] for key in keys) == [1, 2, 4]       # 16 rows never reach the tuner
 
 

@@ -42,9 +42,9 @@ def default_weight_loader(param: torch.Tensor, loaded: Any, shard_id: Any = None
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except for decode batches of a few rows on CUDA, where a triton kernel takes
-    the shapes it was measured faster on (pagedbackend.kernels.gemv)."""
+    the shapes it was measured faster on (pagedbackend.kernels.gemv_tuning)."""
     if x.is_cuda and USE_KERNELS:
-        from pagedbackend.kernels.gemv import maybe_skinny_linear
+        from pagedbackend.kernels.gemv_tuning import maybe_skinny_linear
         y = maybe_skinny_linear(x, weight, bias)
         if y is not None:
             return y
@@ -57,7 +57,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
     the pre-norm block's entry. On CUDA, where the skinny matmul serves proj's shape, the norm
     runs inside it (one kernel instead of two)."""
     if x.is_cuda and USE_KERNELS:
-        from pagedbackend.kernels.gemv import maybe_skinny_norm_linear
+        from pagedbackend.kernels.gemv_tuning import maybe_skinny_norm_linear
         out = maybe_skinny_norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
         if out is not None:
             return out
@@ -133,7 +133,7 @@ class RowParallelLinear(nn.Module):
         """forward(silu(gate) * up) over gate_up = [..., 2 * local_in]; on CUDA, where the skinny
         matmul serves this shape, the activation runs inside it."""
         if gate_up.is_cuda and USE_KERNELS:
-            from pagedbackend.kernels.gemv import maybe_skinny_silu_linear
+            from pagedbackend.kernels.gemv_tuning import maybe_skinny_silu_linear
             y = maybe_skinny_silu_linear(gate_up, self.weight)
             if y is not None:
                 return self._reduce(y)

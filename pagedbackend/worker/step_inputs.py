@@ -107,7 +107,7 @@ def warmup_inputs(block_size: int, num_kv_blocks: int, max_model_len: int,
     longest = min(300, max_model_len - 20, num_kv_blocks * bs // 4 - 20)
     for start in sorted({3, max(3, longest)}):
         # [1] * 5 and [40]: 8 and 64 rows, the narrow matmul buckets no other step has
-        # (gemv.NARROW_ROWS: tuned and compiled here, not mid-serving, with enforce_eager)
+        # (gemv_tuning.NARROW_ROWS: tuned and compiled here, not mid-serving, with enforce_eager)
         for q_lens in ([1], [1, 1], [1] * wide, [17], [16], [1, 17], [1, 1, 16], [3, 1],
                        [1] * 5, [40]):
             n = len(q_lens)

@@ -1,0 +1,205 @@
+"""Whether the skinny matmul (gemv.py) replaces cuBLAS, per (rows bucket, N, K, dtype, prologue).
+
+cuBLAS is already at the memory roofline for some shapes and not for others (llama-3.1-8b at one
+row: gate_up at ~99% of HBM bandwidth, qkv and o_proj at 72-77% plus a split-K reduction), so
+the choice is measured, per (rows bucket, N, K, dtype) on the device, the first time a shape is
+seen outside CUDA-graph capture: cuBLAS and each candidate tile are timed with the L2 flushed,
+and the kernel replaces cuBLAS only when it is faster by a margin.
+
+Every tile is timed in its fused form against what it replaces: the separate norm /
+activation kernel plus cuBLAS.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from pagedbackend.kernels.gemv import (ADD_NORM, CANDIDATES, DOT_CANDIDATES, MAX_DOT_ROWS,
+                                       MAX_ROWS, NORM, PLAIN, SILU_MUL, rows_bucket,
+                                       skinny_linear)
+
+logger = logging.getLogger("pagedbackend")
+
+MARGIN = 0.97      # the kernel must take < 97% of cuBLAS's time to replace it
+ENABLED = os.environ.get("PAGEDBACKEND_SKINNY_GEMM", "1") != "0"
+# Narrow steps (MAX_ROWS < rows <= NARROW_ROWS; W4's ~30-40 rows, W5's tail): cuBLAS runs
+# q|k|v, o_proj and down there at 2.2-3.0 TB/s, the same time from 1 to 128 rows (perf/RESULTS.md,
+# calls 30 and 31). With NARROW_ROWS > MAX_ROWS a plain matmul of such a step takes the best
+# tensor-core tile where it beats cuBLAS by MARGIN, as everywhere else: o_proj and the LM head
+# on the H200. Taking tiles within 10% of cuBLAS, in the hope that PDL's overlap in the decode
+# graphs would make up the difference, lost 0.9% on W5's requests (call 36). Off
+# (NARROW_ROWS = MAX_ROWS) until measured in the engine; PAGEDBACKEND_NARROW_ROWS=64 (at most
+# MAX_DOT_ROWS) turns it on.
+NARROW_ROWS = min(int(os.environ.get("PAGEDBACKEND_NARROW_ROWS", str(MAX_ROWS))), MAX_DOT_ROWS)
+
+
+# (device index, rows bucket, N, K, dtype, prologue) -> the chosen config, or None for cuBLAS.
+# NORM (the first layer's, no residual) shares ADD_NORM's entry.
+_CHOICE: dict[tuple, tuple | None] = {}
+
+
+_FLUSH: dict[int, torch.Tensor] = {}     # per device: a buffer larger than the L2 cache
+_REPS = 8
+
+
+def _replay_us(graph: torch.cuda.CUDAGraph, times: int = 5) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(times):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return sorted(samples)[len(samples) // 2]
+
+
+def _time_us(fn) -> float:
+    """Device time of fn as it runs inside a CUDA graph (the way decode steps run it), with the
+    L2 cache flushed before each call: replays of [flush, fn] x _REPS minus replays of the
+    flushes alone. Timing eager launches instead (triton.testing.do_bench) measures the host's
+    launch overhead too, which for a 10-60 us kernel was most of the figure and made the
+    choice noisy."""
+    dev = torch.cuda.current_device()
+    flush = _FLUSH.get(dev)
+    if flush is None:
+        flush = _FLUSH[dev] = torch.empty(128 << 20, dtype=torch.int8, device="cuda")
+    fn()                                    # compiled and warm before capture
+    torch.cuda.synchronize()
+    try:
+        both, alone = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(both):
+            for _ in range(_REPS):
+                flush.zero_()
+                fn()
+        with torch.cuda.graph(alone):
+            for _ in range(_REPS):
+                flush.zero_()
+        return max(_replay_us(both) - _replay_us(alone), 0.0) / _REPS
+    except RuntimeError as e:                 # not capturable here: time eager launches
+        logger.warning("skinny GEMM tuning falls back to eager timing: %s", e)
+        return 1e3 * triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+
+def _pattern(rows: int, k: int, phase: float, dtype, device) -> torch.Tensor:
+    # a fixed pattern, not torch.randn: tuning must not move the sampler's CUDA generator
+    xs = torch.arange(rows * k, device=device, dtype=torch.float32).mul_(0.618).add_(phase).sin_()
+    return xs.view(rows, k).to(dtype)
+
+
+def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int):
+    """The fastest tile for the kernel with this prologue, kept only if it beats what it
+    replaces: cuBLAS, after the separate norm / activation kernel if any. Every tile is timed
+    in its fused form (a tile's register and load pattern changes with the prologue: the
+    fastest plain tile lost gate|up's fused form on the H200 where a wider one might not)."""
+    from pagedbackend.layers.activation import silu_and_mul
+    from pagedbackend.layers.norm import fused_add_rms_norm
+    n, k = weight.shape
+    rows = rows_bucket(x.shape[0])
+    dt, dev = x.dtype, x.device
+    xs = _pattern(rows, k, 0.0, dt, dev)
+    if prologue == ADD_NORM:
+        what = "rms_norm+"
+        rs, g = _pattern(rows, k, 1.0, dt, dev), _pattern(1, k, 2.0, dt, dev).view(k).add_(1)
+
+        def baseline():
+            return F.linear(fused_add_rms_norm(xs, rs, g, 1e-6)[0], weight, bias)
+
+        def kernel(cfg):
+            return skinny_linear(xs, weight, bias, cfg, ADD_NORM, rs, g, 1e-6)[0]
+    elif prologue == SILU_MUL:
+        what = "silu_mul+"
+        gu = _pattern(rows, 2 * k, 1.0, dt, dev)
+
+        def baseline():
+            return F.linear(silu_and_mul(gu), weight, bias)
+
+        def kernel(cfg):
+            return skinny_linear(gu, weight, bias, cfg, SILU_MUL)
+    else:
+        what = "plain"
+
+        def baseline():
+            return F.linear(xs, weight, bias)
+
+        def kernel(cfg):
+            return skinny_linear(xs, weight, bias, cfg)
+    ref = baseline().float()
+    base = _time_us(baseline)
+    best, best_us = None, float("inf")
+    narrow = rows > MAX_ROWS          # only the tensor-core tiles take more than MAX_ROWS
+    for cfg in (() if narrow else CANDIDATES) + (DOT_CANDIDATES if rows > 1 else ()):
+        try:
+            # a tile that is wrong here (e.g. a miscompile) or fails is never chosen; the
+            # fused norm skips one bf16 rounding, hence the tolerance
+            agree = torch.allclose(kernel(cfg).float(), ref, rtol=2e-2, atol=2e-2)
+            us = _time_us(lambda cfg=cfg: kernel(cfg)) if agree else float("inf")
+        except Exception as e:      # noqa: BLE001
+            logger.warning("skinny GEMM %s %s at %dx%dx%d failed: %s", what, cfg, rows, n, k, e)
+            continue
+        if not agree:
+            logger.warning("skinny GEMM %s %s at %dx%dx%d disagrees with cuBLAS; skipped",
+                           what, cfg, rows, n, k)
+        elif us < best_us:
+            best, best_us = cfg, us
+    if best is not None and best_us >= base * MARGIN:
+        best = None
+    logger.info("skinny GEMM rows<=%d N=%d K=%d %s %s: cuBLAS %.1f us, %s", rows, n, k,
+                str(dt).replace("torch.", ""), what, base,
+                f"triton {best} {best_us:.1f} us (chosen)" if best
+                else f"kept cuBLAS (best triton {best_us:.1f} us)")
+    return best
+
+
+def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            prologue: int = PLAIN) -> tuple | None:
+    """The tile measured faster than cuBLAS for this (rows, weight, prologue), or None for
+    cuBLAS."""
+    k_in = 2 * weight.shape[1] if prologue == SILU_MUL else weight.shape[1]
+    max_rows = max(MAX_ROWS, NARROW_ROWS) if prologue == PLAIN else MAX_ROWS
+    if not ENABLED or x.dim() != 2 or x.shape[0] > max_rows or x.stride(1) != 1 \
+            or not weight.is_contiguous() or x.shape[1] != k_in:
+        return None
+    kind = ADD_NORM if prologue == NORM else prologue
+    key = (x.device.index, rows_bucket(x.shape[0]), *weight.shape, x.dtype, kind)
+    if key not in _CHOICE:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        _CHOICE[key] = _tune(x, weight, bias, kind)
+    return _CHOICE[key]
+
+
+def maybe_skinny_linear(x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The skinny kernel's result where it was measured faster than cuBLAS for this shape, else
+    None (the caller runs F.linear). An unseen shape is tuned here unless a CUDA graph is being
+    captured (then cuBLAS, until an eager step of that shape has run)."""
+    cfg = _choice(x, weight, bias)
+    return None if cfg is None else skinny_linear(x, weight, bias, cfg)
+
+
+def maybe_skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
+                             norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                             bias: torch.Tensor | None):
+    """(rms_norm(x [+ residual]) @ W.T + b, the new residual) in one kernel where the skinny
+    kernel was chosen for W's shape, else None. Without residual the new residual is x."""
+    if norm_weight.dtype != x.dtype or (
+            residual is not None and (residual.dtype != x.dtype or residual.stride(1) != 1)):
+        return None
+    cfg = _choice(x, weight, bias, ADD_NORM)
+    if cfg is None:
+        return None
+    if residual is None:
+        return skinny_linear(x, weight, bias, cfg, NORM, None, norm_weight, eps), x
+    return skinny_linear(x, weight, bias, cfg, ADD_NORM, residual, norm_weight, eps)
+
+
+def maybe_skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """(silu(gate) * up) @ W.T over x = gate | up in one kernel where the skinny kernel was
+    chosen for W's shape, else None."""
+    cfg = _choice(x, weight, None, SILU_MUL)
+    return None if cfg is None else skinny_linear(x, weight, None, cfg, SILU_MUL)
