@@ -6,7 +6,6 @@ model, the KV cache tensors, the sampler and per-request random generators.
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -25,8 +24,6 @@ from pagedbackend.worker.cuda_graph import DecodeGraphs, PrefillGraphs
 from pagedbackend.worker.kv_sizing import kv_bytes_per_block, num_blocks_for_device
 from pagedbackend.worker.step_inputs import (HostInputs, StepInputs, host_inputs, upload,
                                              warmup_inputs)
-
-logger = logging.getLogger("pagedbackend")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
