@@ -76,7 +76,7 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
 
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
            "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, ropekernel, oldtiles, "
-           "eagerprefill, decode3, gridorder, fp8kv, fp8n64, narrow, nopdl, cublas; default "
+           "eagerprefill, decode3, gridorder, fp8kv, fp8n64, nopdl, cublas; default "
            "runs the default again (perf/common.run_variants)")
 
 
@@ -92,9 +92,7 @@ def run_variants(names: str, make_llm, body) -> None:
     before the sweep of 2026-12-03: 128 x 64 with 8 warps), decode3 (decode attention with 3
     pipeline stages instead of 2), gridorder (decode attention starts its programs in grid
     order, not the longest sequences first), fp8kv (make_llm(kv_cache_dtype="fp8")), fp8n64
-    (an fp8 cache's decode tile of 64 tokens, as bf16's, not decode.FP8_BLOCK_N), narrow
-    (plain matmuls of 5-64 rows may take the skinny kernel's tensor-core tiles:
-    gemv_tuning.NARROW_ROWS = 64),
+    (an fp8 cache's decode tile of 64 tokens, as bf16's, not decode.FP8_BLOCK_N),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". "default" undoes every switch and runs the
     default again (label "default-again", then "default-again-2", ...): an A-B-A order shows
@@ -104,7 +102,7 @@ def run_variants(names: str, make_llm, body) -> None:
 
     import torch
 
-    from pagedbackend.kernels import common, decode, gemv, gemv_tuning, prefill
+    from pagedbackend.kernels import common, decode, gemv_tuning, prefill
     from pagedbackend.worker import cuda_graph
     variants = list(filter(None, names.split(",")))
 
@@ -116,10 +114,10 @@ def run_variants(names: str, make_llm, body) -> None:
     for name in variants:
         if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "ropekernel", "eagerprefill",
                               "oldtiles", "decode3", "gridorder", "fp8kv", "fp8n64",
-                              "narrow", "default"):
+                              "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, mbt<N>, "
                              "ropekernel, eagerprefill, oldtiles, decode3, gridorder, fp8kv, "
-                             "fp8n64, narrow, nopdl, cublas or default")
+                             "fp8n64, nopdl, cublas or default")
     steps, active, again = [("default", None)], [], 0
     for v in variants:
         if v == "default":      # later re-runs numbered: labels name the result files
@@ -129,7 +127,6 @@ def run_variants(names: str, make_llm, body) -> None:
         active = [a for a in active if kind(a) != kind(v) or kind(v) == v] + [v]
         steps.append(("-".join(active), v))
     switches = ((common, "PDL_ENABLED"), (gemv_tuning, "ENABLED"),
-                (gemv_tuning, "NARROW_ROWS"),
                 (decode, "ROPE_IN_DECODE"),
                 (decode, "LONGEST_FIRST"),
                 (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
@@ -157,8 +154,6 @@ def run_variants(names: str, make_llm, body) -> None:
                 dict(BLOCK_M=128, num_warps=8) if 64 < d <= 128 else {})}
         elif switch == "gridorder":
             decode.LONGEST_FIRST = False
-        elif switch == "narrow":
-            gemv_tuning.NARROW_ROWS = gemv.MAX_DOT_ROWS
         elif switch == "fp8n64":
             decode.FP8_BLOCK_N = 64
         elif switch == "fp8kv":

@@ -116,13 +116,6 @@ for s in $stages; do
     benchsweep) run benchsweep 200 python3 perf/kernels_bench.py --sweep ;;
     # cuBLAS at llama-3.1-8b's projection shapes across row counts (W2's GEMM bound), ~30 s
     gemm) run gemm 90 python3 perf/gemm_bench.py ;;
-    # narrow steps (5-64 rows) on the skinny kernel's tensor-core tiles, chained by PDL in the
-    # decode graphs (gemv_tuning.NARROW_ROWS, off by default): the no-compile test with it on, then
-    # W5's requests and W4 at rate 16 into the engine, A-B-A
-    compilesnarrow) PAGEDBACKEND_NARROW_ROWS=64 run compilesnarrow 160 python3 -m pytest -q tests/test_kernels.py -k "compiles" ;;
-    w5narrow) run w5narrow 300 python3 perf/w3_mix.py --model llama-3.1-8b --ab narrow,default ;;
-    w4narrow) run w4narrow 400 "$base_py" perf/w4_engine_rate.py --rates 16 --num-prompts 300 \
-                --ab narrow,default ;;
     # tensor-core tiles for 16 and 64 rows against cuBLAS
     gemmsweep) run gemmsweep 240 python3 perf/gemm_bench.py --sweep --rows 16,64 ;;
     # cuBLAS at the narrow steps of W4 (~30-40 rows) and W5's tail: how near HBM bandwidth

@@ -572,43 +572,6 @@ def test_skinny_tuning_picks_the_fastest_agreeing_tile_in_its_fused_form(monkeyp
         assert timed[0] is None and set(timed[1:]) == set(cands) - {wrong}
 
 
-def test_narrow_steps_take_a_tensor_core_tile_only_when_switched_on(monkeypatch):
-    """Rows past MAX_ROWS: off by default (cuBLAS, nothing tuned); with NARROW_ROWS raised, a
-    plain matmul tunes among the tensor-core tiles only and keeps the best one where it beats
-    cuBLAS by MARGIN; the fused prologues stay at MAX_ROWS."""
-    from pagedbackend.kernels import gemv, gemv_tuning
-    n, k = (1024, 512) if CUDA else (24, 64)
-    w = (torch.randn(n, k, device=DEV) / k ** 0.5).to(torch.float32)
-    x = torch.randn(20, k, device=DEV)
-    monkeypatch.setattr(gemv_tuning, "_CHOICE", {})
-    monkeypatch.setattr(gemv_tuning, "ENABLED", True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # the CPU
-    tuned = []
-    monkeypatch.setattr(gemv_tuning, "_tune", lambda x, w, b, kind: tuned.append(
-        (x.shape[0], kind)) or gemv.DOT_CANDIDATES[0])
-    assert gemv_tuning.NARROW_ROWS == gemv.MAX_ROWS
-    assert gemv_tuning._choice(x, w, None) is None and not tuned
-    monkeypatch.setattr(gemv_tuning, "NARROW_ROWS", 64)
-    assert gemv_tuning._choice(x, w, None) == gemv.DOT_CANDIDATES[0]
-    assert tuned == [(20, gemv.PLAIN)]
-    assert gemv_tuning._choice(x, w, None, gemv.ADD_NORM) is None
-    assert gemv_tuning._choice(torch.randn(65, k, device=DEV), w, None) is None
-    monkeypatch.undo()
-    for base_ratio, expect in ((0.95, gemv.DOT_CANDIDATES[1]), (0.99, None)):
-        times = {c: 100.0 * base_ratio + i for i, c in enumerate(gemv.DOT_CANDIDATES[1:])}
-        times[gemv.DOT_CANDIDATES[0]] = 1e9
-
-        def time_us(fn, times=times):
-            fn()
-            cfg = fn.__defaults__[0] if fn.__defaults__ else None
-            assert cfg is None or len(cfg) > 4, "only tensor-core tiles past MAX_ROWS"
-            return 100.0 if cfg is None else times[cfg]
-        monkeypatch.setattr(gemv_tuning, "_time_us", time_us)
-        monkeypatch.setattr(gemv_tuning, "NARROW_ROWS", 64)
-        assert gemv_tuning._tune(x, w, None, gemv.PLAIN) == expect
-        monkeypatch.undo()
-
-
 @pytest.mark.skipif(not CUDA, reason="the cuBLAS-vs-triton choice is timed on a CUDA device")
 def test_linear_dispatch_tunes_once_and_matches_cublas():
     from pagedbackend.kernels import gemv_tuning

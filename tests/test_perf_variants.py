@@ -98,17 +98,3 @@ def test_fp8kv_builds_the_next_engines_with_an_fp8_cache(perf_module):
     assert seen == [("default", {}, start), ("fp8kv", fp8, start), ("fp8kv-fp8n64", fp8, 64),
                     ("fp8kv-fp8n64-mbt2048", {**fp8, "max_num_batched_tokens": 2048}, 64),
                     ("default-again", {}, start)]
-
-
-def test_narrow_switches_the_narrow_matmuls_on_until_a_default(perf_module):
-    from pagedbackend.kernels import gemv, gemv_tuning
-    perf = perf_module("common")
-    start = gemv_tuning.NARROW_ROWS
-    seen = []
-    try:
-        perf.run_variants("narrow,default", FakeLLM,
-                          lambda llm, label: seen.append((label, gemv_tuning.NARROW_ROWS)))
-    finally:
-        gemv_tuning.NARROW_ROWS = start
-    assert start == gemv.MAX_ROWS     # off unless PAGEDBACKEND_NARROW_ROWS says otherwise
-    assert seen == [("default", start), ("narrow", gemv.MAX_DOT_ROWS), ("default-again", start)]

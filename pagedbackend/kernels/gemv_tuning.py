@@ -18,23 +18,17 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from pagedbackend.kernels.gemv import (ADD_NORM, CANDIDATES, DOT_CANDIDATES, MAX_DOT_ROWS,
-                                       MAX_ROWS, NORM, PLAIN, SILU_MUL, rows_bucket,
-                                       skinny_linear)
+from pagedbackend.kernels.gemv import (ADD_NORM, CANDIDATES, DOT_CANDIDATES, MAX_ROWS, NORM,
+                                       PLAIN, SILU_MUL, rows_bucket, skinny_linear)
 
 logger = logging.getLogger("pagedbackend")
 
 MARGIN = 0.97      # the kernel must take < 97% of cuBLAS's time to replace it
 ENABLED = os.environ.get("PAGEDBACKEND_SKINNY_GEMM", "1") != "0"
-# Narrow steps (MAX_ROWS < rows <= NARROW_ROWS; W4's ~30-40 rows, W5's tail): cuBLAS runs
-# q|k|v, o_proj and down there at 2.2-3.0 TB/s, the same time from 1 to 128 rows (perf/RESULTS.md,
-# calls 30 and 31). With NARROW_ROWS > MAX_ROWS a plain matmul of such a step takes the best
-# tensor-core tile where it beats cuBLAS by MARGIN, as everywhere else: o_proj and the LM head
-# on the H200. Taking tiles within 10% of cuBLAS, in the hope that PDL's overlap in the decode
-# graphs would make up the difference, lost 0.9% on W5's requests (call 36). Off
-# (NARROW_ROWS = MAX_ROWS) until measured in the engine; PAGEDBACKEND_NARROW_ROWS=64 (at most
-# MAX_DOT_ROWS) turns it on.
-NARROW_ROWS = min(int(os.environ.get("PAGEDBACKEND_NARROW_ROWS", str(MAX_ROWS))), MAX_DOT_ROWS)
+# Steps of more than MAX_ROWS rows keep cuBLAS. At 5-64 rows (W4's ~30-40, W5's tail) it runs
+# the smaller projections at 2.2-3.0 TB/s, but the tensor-core tiles do no better alone: at 32-64
+# rows none beats it by MARGIN, and letting tiles up to 10% slower take those steps, for PDL's
+# overlap in the decode graphs, lost 0.9% on W5's requests (H200, perf/RESULTS.md call 36).
 
 
 # (device index, rows bucket, N, K, dtype, prologue) -> the chosen config, or None for cuBLAS.
@@ -131,8 +125,7 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
     ref = baseline().float()
     base = _time_us(baseline)
     best, best_us = None, float("inf")
-    narrow = rows > MAX_ROWS          # only the tensor-core tiles take more than MAX_ROWS
-    for cfg in (() if narrow else CANDIDATES) + (DOT_CANDIDATES if rows > 1 else ()):
+    for cfg in CANDIDATES + (DOT_CANDIDATES if rows > 1 else ()):
         try:
             # a tile that is wrong here (e.g. a miscompile) or fails is never chosen; the
             # fused norm skips one bf16 rounding, hence the tolerance
@@ -160,8 +153,7 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """The tile measured faster than cuBLAS for this (rows, weight, prologue), or None for
     cuBLAS."""
     k_in = 2 * weight.shape[1] if prologue == SILU_MUL else weight.shape[1]
-    max_rows = max(MAX_ROWS, NARROW_ROWS) if prologue == PLAIN else MAX_ROWS
-    if not ENABLED or x.dim() != 2 or x.shape[0] > max_rows or x.stride(1) != 1 \
+    if not ENABLED or x.dim() != 2 or x.shape[0] > MAX_ROWS or x.stride(1) != 1 \
             or not weight.is_contiguous() or x.shape[1] != k_in:
         return None
     kind = ADD_NORM if prologue == NORM else prologue

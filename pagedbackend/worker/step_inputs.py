@@ -101,15 +101,12 @@ def warmup_inputs(block_size: int, num_kv_blocks: int, max_model_len: int,
     16 and neither; short contexts and ~300-token ones (where decode rows of a small batch split
     the KV); one decode row (no program order, see decode.LONGEST_FIRST) and `wide` decode rows,
     more than one (sequence, kv head) per SM (rotary + KV write in their own kernel, see
-    decode.rope_in_decode); every row-count bucket of the skinny matmul up to
-    gemv.MAX_DOT_ROWS. Their K/V goes to blocks no request owns yet."""
+    decode.rope_in_decode); the skinny matmul's row-count buckets (1, 2 and 4). Their K/V goes
+    to blocks no request owns yet."""
     bs = block_size
     longest = min(300, max_model_len - 20, num_kv_blocks * bs // 4 - 20)
     for start in sorted({3, max(3, longest)}):
-        # [1] * 5 and [40]: 8 and 64 rows, the narrow matmul buckets no other step has
-        # (gemv_tuning.NARROW_ROWS: tuned and compiled here, not mid-serving, with enforce_eager)
-        for q_lens in ([1], [1, 1], [1] * wide, [17], [16], [1, 17], [1, 1, 16], [3, 1],
-                       [1] * 5, [40]):
+        for q_lens in ([1], [1, 1], [1] * wide, [17], [16], [1, 17], [1, 1, 16], [3, 1]):
             n = len(q_lens)
             starts = np.full(n, start, dtype=np.int64)
             q = np.array(q_lens, dtype=np.int64)
