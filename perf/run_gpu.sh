@@ -134,6 +134,9 @@ for s in $stages; do
                BUDGET_S=160 OUT="$out/w4-budget500" bash perf/w4_gpu.sh ;;
     # W4 at rate 16 into the engine in this process (no Triton): the engine's own TTFT/TPOT at
     # that load, default / no PDL / default again / the old prefill tile
+    # W4 at rate 16 into the engine, the default only: TTFT/TPOT and the steps by path (how
+    # many run eagerly: a prompt arriving while others decode makes a mixed step)
+    w4paths) run w4paths 200 "$base_py" perf/w4_engine_rate.py --rates 16 ;;
     w4inproc) run w4inproc 400 "$base_py" perf/w4_engine_rate.py --rates 16 \
                 --ab nopdl,default,oldtiles ;;
     # the same load (300 requests) with the switches added one by one: no PDL, then also eager
