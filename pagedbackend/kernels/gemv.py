@@ -38,7 +38,8 @@ DOT_CANDIDATES = ((16, 256, 4, 4, True), (32, 256, 4, 4, True), (64, 128, 4, 4, 
                   (32, 128, 4, 6, True))
 # The tensor-core tiles compute any row count up to this (BLOCK_M = rows rounded up to a power
 # of two, at least 16); the engine hands the kernel at most MAX_ROWS. perf/gemm_bench.py
-# --triton times them against cuBLAS at wider steps.
+# --triton times them against cuBLAS at wider steps, in bf16: in fp32 a 64-row input tile of
+# several pipeline stages needs more shared memory than an H200 has (245,760 > 232,448 bytes).
 MAX_DOT_ROWS = 64
 
 
