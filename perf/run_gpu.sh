@@ -143,6 +143,9 @@ for s in $stages; do
     # single-sequence prefills, the old prefill tile, rotary + KV write in their own kernel
     w4steps) run w4steps 360 "$base_py" perf/w4_engine_rate.py --rates 16 --num-prompts 300 \
                --ab nopdl,eagerprefill,oldtiles,ropekernel ;;
+    # W1 with the engine of perf/snapshot.sh's commit (.snapshot/, carried): beside w1 in one
+    # call, whether W1 moved between commits
+    w1old) OUT="$out/snapshot" in_snapshot w1old 150 python3 perf/w1_decode.py ;;
     # the same 300 requests into the engine of perf/snapshot.sh's commit (.snapshot/, carried)
     w4old) OUT="$out/snapshot" in_snapshot w4old 170 "$base_py" perf/w4_engine_rate.py \
              --rates 16 --num-prompts 300 --model-dir "$PWD/models/dummy/llama-3.1-8b" ;;
