@@ -102,8 +102,6 @@ def run_variants(names: str, make_llm, body) -> None:
 
     import torch
 
-    from pagedbackend.kernels import common, decode, gemv_tuning, prefill
-    from pagedbackend.worker import cuda_graph
     variants = list(filter(None, names.split(",")))
 
     def kind(v):        # noprefetch is pf0; pfplain<MB> is a pf too
@@ -126,14 +124,16 @@ def run_variants(names: str, make_llm, body) -> None:
             continue
         active = [a for a in active if kind(a) != kind(v) or kind(v) == v] + [v]
         steps.append(("-".join(active), v))
-    switches = ((common, "PDL_ENABLED"), (gemv_tuning, "ENABLED"),
-                (decode, "ROPE_IN_DECODE"),
-                (decode, "LONGEST_FIRST"),
-                (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
-                (decode, "decode_config"), (decode, "FP8_BLOCK_N"),
-                (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"))
-    # read only for an A/B: an older engine (perf/snapshot.sh) may lack some of them
-    initial = [getattr(mod, name) for mod, name in switches] if variants else []
+    switches, initial = (), []
+    if variants:    # imported only for an A/B: an older engine (perf/snapshot.sh) may lack them
+        from pagedbackend.kernels import common, decode, gemv_tuning, prefill
+        from pagedbackend.worker import cuda_graph
+        switches = ((common, "PDL_ENABLED"), (gemv_tuning, "ENABLED"),
+                    (decode, "ROPE_IN_DECODE"), (decode, "LONGEST_FIRST"),
+                    (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
+                    (decode, "decode_config"), (decode, "FP8_BLOCK_N"),
+                    (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"))
+        initial = [getattr(mod, name) for mod, name in switches]
     overrides = {}
     for label, switch in steps:
         if switch == "default":

@@ -98,3 +98,19 @@ def test_fp8kv_builds_the_next_engines_with_an_fp8_cache(perf_module):
     assert seen == [("default", {}, start), ("fp8kv", fp8, start), ("fp8kv-fp8n64", fp8, 64),
                     ("fp8kv-fp8n64-mbt2048", {**fp8, "max_num_batched_tokens": 2048}, 64),
                     ("default-again", {}, start)]
+
+
+def test_without_variants_no_switch_module_is_needed(perf_module, monkeypatch):
+    """perf/snapshot.sh runs today's scripts against an older engine, which may lack a module
+    the A/B switches live in: without --ab, run_variants must not import them."""
+    import sys
+
+    import pagedbackend.kernels
+    perf = perf_module("common")
+    monkeypatch.setitem(sys.modules, "pagedbackend.kernels.gemv_tuning", None)   # as if absent
+    monkeypatch.delattr(pagedbackend.kernels, "gemv_tuning", raising=False)
+    seen = []
+    perf.run_variants("", FakeLLM, lambda llm, label: seen.append(label))
+    assert seen == ["default"]
+    with pytest.raises(ImportError):
+        perf.run_variants("cublas", FakeLLM, lambda llm, label: None)
