@@ -1,6 +1,6 @@
-"""The engine model's threads: one loop thread owns the LLMEngine, one sender thread is the only
-caller of Triton's send and of is_cancelled. Free of Triton imports, so it is unit-tested with a
-fake engine and fake senders.
+"""The engine model's threads: one loop thread owns the LLMEngine, one sender thread (sender.py) is
+the only caller of Triton's send and of is_cancelled. Free of Triton imports, so it is unit-tested
+with a fake engine and fake senders.
 
 Threading model:
 - `submit()` / `reject()` run on Triton's execute thread; they only enqueue.
@@ -9,21 +9,21 @@ Threading model:
 - The sender thread alone calls `send(handle, outgoing)`; it sends exactly one final per request,
   because only the loop (or, once the loop is dead, `submit`) creates final items, once each.
 - The sender takes everything queued at once and merges each request's chunks into one response
-  (`responses.coalesce`), so a sender that falls behind sends fewer, larger responses instead of
-  a backlog.
+  (`responses.coalesce`), so a sender that falls behind sends fewer, larger responses instead of a
+  backlog.
 - With `max_responses_per_s` the loop itself holds back streamed steps so that all requests
-  together send about that many responses per second (each request every len(live) / rate
-  seconds; the first token and the final go at once). Every response costs an IPC round trip in
-  each Python model of the ensemble, and that chain, not the engine, limited W4 on the H200.
+  together send about that many responses per second (each request every len(live) / rate seconds;
+  the first token and the final go at once). Every response costs an IPC round trip in each Python
+  model of the ensemble, and that chain, not the engine, limited W4 on the H200.
 - Between sends, every `cancel_poll_s`, the sender thread also calls `handle.is_cancelled()` (stub
-  IPC, slow) on up to CANCEL_CHECKS_PER_POLL unfinished requests in turn and hands cancelled ids
-  to the loop, which aborts them before its next step. All stub IPC stays on one thread, and a
-  handle whose final response has gone out is never asked again (its rid has left `_handles`
-  before its final is queued). An earlier design polled every live request from its own thread
-  every 50 ms; under W4 load on the H200 (hundreds of live streams) that was ~10k IPC calls/s
-  racing the sends, and tritonserver died of heap corruption.
-- `_handles` (request id -> (handle, key), read by the sender's polls) and `_keys` (request key ->
-  request id, read by `stop()`) are the only state under a lock.
+  IPC, slow) on up to sender.CANCEL_CHECKS_PER_POLL unfinished requests in turn and hands cancelled
+  ids to the loop, which aborts them before its next step. All stub IPC stays on one thread, and a
+  handle whose final response has gone out is never asked again (its rid has left `_handles` before
+  its final is queued). An earlier design polled every live request from its own thread every 50
+  ms; under W4 load on the H200 (hundreds of live streams) that was ~10k IPC calls/s racing the
+  sends, and tritonserver died of heap corruption.
+- `_handles` (request id -> (handle, key), read by the sender's polls through `_open_handles`) and
+  `_keys` (request key -> request id, read by `stop()`) are the only state under a lock.
 """
 from __future__ import annotations
 
@@ -35,35 +35,16 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from pagedbackend.serving.busy_period import BusyPeriod
 from pagedbackend.serving.queues import take_batch
 from pagedbackend.serving.request import ParsedRequest
-from pagedbackend.serving.responses import (Chunk, Outgoing, coalesce, last_logprobs,
-                                             merge_chunks)
+from pagedbackend.serving.responses import Chunk, Outgoing, last_logprobs, merge_chunks
+from pagedbackend.serving.sender import Sender
 
 from pagedbackend.engine.detokenizer import DETOKENIZE_CONTEXT, MAX_EXTRA_CONTEXT, context_for
 
 # Ids kept per request so context_for can start the detokenizer's context on a clean boundary.
 _TAIL = DETOKENIZE_CONTEXT + MAX_EXTRA_CONTEXT
-
-
-# At most this many is_cancelled() IPC calls per cancel_poll_s (320/s at 50 ms): with 256 open
-# streams each is asked about every 0.8 s. 64 per poll made these calls (1,280/s) outnumber the
-# responses themselves under the default response budget. Requests through the ensemble are
-# stopped by its stream_guard, not by this poll.
-CANCEL_CHECKS_PER_POLL = 16
-_NOTHING = object()
-
-
-@dataclass
-class _BusyPeriod:
-    """The engine loop's time from its first step after idling to idling again."""
-    start: float
-    steps: int = 0
-    step_s: float = 0.0            # in engine.step()
-    outputs_s: float = 0.0         # turning its outputs into responses
-    outputs: int = 0
-    slowest_s: float = 0.0         # the longest single engine.step(), and when it began
-    slowest_at: float = 0.0
 
 
 @dataclass
@@ -92,17 +73,15 @@ class EngineLoop:
                  cancel_poll_s: float = 0.05, stats_period_s: float = 0.5,
                  coalesce: bool = True, max_responses_per_s: float = 0.0,
                  info: Optional[Callable[[str], None]] = None):
-        self.engine, self._send, self.metrics, self._log = engine, send, metrics, log
-        # Called on the sender thread (stub IPC stays there) with one line per busy period:
-        # where the loop's time went, for comparing the engine behind Triton with offline runs.
+        self.engine, self.metrics, self._log = engine, metrics, log
+        # info: called on the sender thread (stub IPC stays there) with one line per busy
+        # period (busy_period.py)
         self._info = info
-        self._notes: queue.SimpleQueue = queue.SimpleQueue()
-        self._coalesce = coalesce
         # > 0: streamed responses of all requests together stay near this rate; each request
         # then sends every len(live) / rate seconds, its steps merged (first and last at once).
         self._max_rate = max_responses_per_s
         self._on_dead = on_dead
-        self._cancel_poll_s, self._stats_period_s = cancel_poll_s, stats_period_s
+        self._stats_period_s = stats_period_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._cancels: queue.SimpleQueue = queue.SimpleQueue()
@@ -113,9 +92,10 @@ class EngineLoop:
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._dead = threading.Event()
-        self._poll_pos = 0
+        self._sender = Sender(send, self._outbox, self._open_handles, self._cancels.put, log,
+                              cancel_poll_s, coalesce, metrics, info)
         self._threads = [threading.Thread(target=t, name=n, daemon=True) for t, n in (
-            (self._run, "engine-loop"), (self._send_all, "engine-sender"))]
+            (self._run, "engine-loop"), (self._sender.run, "engine-sender"))]
 
     # ---- execute thread -------------------------------------------------------------------
     @property
@@ -164,7 +144,7 @@ class EngineLoop:
     # ---- loop thread ----------------------------------------------------------------------
     def _run(self) -> None:
         last_stats = 0.0
-        period: Optional[_BusyPeriod] = None
+        period: Optional[BusyPeriod] = None
         try:
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished()
@@ -172,22 +152,18 @@ class EngineLoop:
                 self._take_cancels()
                 if self.engine.has_unfinished():
                     t0 = time.monotonic()
-                    period = period or _BusyPeriod(t0)
+                    period = period or BusyPeriod(t0)
                     outputs = self.engine.step()
                     now = time.monotonic()
                     for out in outputs:
                         self._on_output(out, now)
-                    period.steps += 1
-                    period.step_s += now - t0
-                    if now - t0 > period.slowest_s:
-                        period.slowest_s, period.slowest_at = now - t0, t0 - period.start
-                    period.outputs_s += time.monotonic() - now
-                    period.outputs += len(outputs)
+                    period.add_step(t0, now, time.monotonic(), len(outputs))
                     busy = True
                 now = time.monotonic()
                 idle_now = not self.engine.has_unfinished()
                 if busy and idle_now and period is not None:
-                    self._note_period(period, now)
+                    if self._info is not None:
+                        self._sender.notes.put(period.line(now, self.engine))
                     period = None
                 if now - last_stats >= self._stats_period_s or (busy and idle_now):
                     last_stats = now
@@ -201,28 +177,6 @@ class EngineLoop:
             self._finish(rid, Outgoing(live.handle, error="the server is shutting down",
                                        error_kind="unavailable", final=True))
         self._drain_inbox_with_error("the server is shutting down")
-
-    def _note_period(self, p: _BusyPeriod, now: float) -> None:
-        """Queue one line on where a busy period's time went (sent by the sender thread)."""
-        if self._info is None:
-            return
-        wall = max(now - p.start, 1e-9)
-        line = (f"busy period: {wall:.2f} s, {p.steps} steps, engine.step "
-                f"{p.step_s / wall:.0%} of the wall, output handling {p.outputs_s / wall:.0%} "
-                f"({p.outputs_s / max(p.outputs, 1) * 1e6:.1f} us per request-step), slowest "
-                f"step {p.slowest_s * 1e3:.1f} ms at +{p.slowest_at:.2f} s")
-        summary = getattr(self.engine, "timing_summary", None)
-        if summary is not None:
-            try:
-                split = summary(reset=True)
-                line += "; engine step split: " + ", ".join(
-                    f"{k} {v:.3g}" for k, v in split.items() if isinstance(v, (int, float)))
-                if split.get("path_steps"):
-                    line += "; steps by path: " + ", ".join(
-                        f"{k} {v}" for k, v in split["path_steps"].items())
-            except Exception as e:  # noqa: BLE001 - a note must never stop the loop
-                line += f"; no step split ({type(e).__name__})"
-        self._notes.put(line)
 
     def _take_inbox(self, block: bool) -> None:
         for item in take_batch(self._inbox, 0.1 if block else 0)[0]:
@@ -382,44 +336,8 @@ class EngineLoop:
                 self._outbox.put(Outgoing(item[1], error=message, error_kind="unavailable",
                                           final=True))
 
-    # ---- sender thread --------------------------------------------------------------------
-    def _send_all(self) -> None:
-        last_poll = time.monotonic()
-        stopping = False
-        while not stopping:
-            # Everything queued goes out in the same pass; with coalescing, one response per
-            # request (see coalesce()).
-            batch, stopping = take_batch(self._outbox, self._cancel_poll_s)
-            for item in coalesce(batch) if self._coalesce else batch:
-                try:
-                    self._send(item.handle, item)
-                except Exception as e:  # noqa: BLE001 - e.g. the client went away
-                    self._log(f"send failed: {type(e).__name__}: {e}")
-            now = time.monotonic()
-            if now - last_poll >= self._cancel_poll_s and not stopping:
-                last_poll = now
-                self._poll_cancels()
-            if self.metrics is not None:
-                self.metrics.pump()     # the metrics' IPC calls are made on this thread too
-            for line in take_batch(self._notes, 0)[0]:
-                try:
-                    self._info(line)
-                except Exception:  # noqa: BLE001
-                    pass
-
-    def _poll_cancels(self) -> None:
+    def _open_handles(self) -> list[tuple[str, Any]]:
+        """(request id, handle) of every request whose final response has not been queued; read
+        by the sender's cancel polls."""
         with self._lock:
-            handles = list(self._handles.items())
-        if not handles:
-            return
-        n = min(len(handles), CANCEL_CHECKS_PER_POLL)
-        start = self._poll_pos % len(handles)
-        self._poll_pos = start + n
-        for i in range(start, start + n):
-            rid, (handle, _) = handles[i % len(handles)]
-            try:
-                cancelled = handle.is_cancelled()
-            except Exception:  # noqa: BLE001
-                cancelled = False
-            if cancelled:
-                self._cancels.put(rid)      # the loop ignores ids it has already finished
+            return [(rid, handle) for rid, (handle, _) in self._handles.items()]
