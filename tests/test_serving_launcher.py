@@ -64,3 +64,39 @@ def test_engine_config_from_parameters():
         engine_config({"model": "x", "kv_cache_dtype": "fp4"}, Path("/"))
     shipped = (Path(__file__).parents[1] / "model_repository/engine/config.pbtxt").read_text()
     assert 'key: "kv_cache_dtype" value: { string_value: "auto" }' in shipped
+
+
+def test_wait_ready_waits_for_the_metrics_endpoint_too():
+    """tritonserver answers /v2/health/ready before its metrics endpoint listens: ready means
+    both answer (a scrape right after readiness was refused once in this suite)."""
+    import http.server
+    import threading
+
+    from pagedbackend.serving.launcher import TritonServer, free_port
+
+    class Ok(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    def serve():
+        httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ok)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        return httpd
+
+    health = serve()
+    server = TritonServer.__new__(TritonServer)     # no binary needed: only the ports matter
+    server.proc = None
+    server.http_port, server.metrics_port = health.server_address[1], free_port()
+    try:
+        with pytest.raises(TimeoutError, match="/metrics"):
+            server.wait_ready(timeout=1.5)
+        metrics = serve()
+        server.metrics_port = metrics.server_address[1]
+        server.wait_ready(timeout=5)
+        metrics.shutdown()
+    finally:
+        health.shutdown()

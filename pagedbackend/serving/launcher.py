@@ -178,19 +178,25 @@ class TritonServer:
         return self
 
     def wait_ready(self, timeout: float = 300.0) -> None:
+        """Until /v2/health/ready answers 200 and then /metrics does: tritonserver starts its
+        metrics endpoint after the HTTP one, so a first scrape right after readiness could be
+        refused (seen in the test suite)."""
         deadline = time.monotonic() + timeout
-        url = f"http://{self.http_url}/v2/health/ready"
+        urls = [f"http://{self.http_url}/v2/health/ready", self.metrics_url]
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.proc.returncode}")
             try:
-                with urllib.request.urlopen(url, timeout=2) as r:
+                with urllib.request.urlopen(urls[0], timeout=2) as r:
                     if r.status == 200:
-                        return
+                        urls.pop(0)
+                        if not urls:
+                            return
+                        continue
             except OSError:
                 pass
             time.sleep(0.5)
-        raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s")
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s (waiting for {urls[0]})")
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the whole process group (server and its stubs), SIGKILL what is left."""
