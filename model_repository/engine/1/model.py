@@ -1,6 +1,6 @@
 """Triton `engine` model: one decoupled instance embedding pagedbackend's LLMEngine.
 
-Threading model (the code lives in pagedbackend/serving/engine_loop.py):
+Threading model (the code lives in pagedbackend/serving/engine_loop.py and sender.py):
 - execute() runs on Triton's thread; it parses each request (pagedbackend.serving.request) and
   only enqueues it for the loop (or a parse error for the sender), then returns None.
 - One loop thread owns the engine: it alone calls add_request / step / abort / stats.
