@@ -206,8 +206,11 @@ def test_cancel_mid_stream_frees_the_request(triton, model):  # noqa: F811
     c.cancel()
     deadline = time.time() + 20
     while time.time() < deadline:
+        # The abort is counted when its final response is sent and the gauges follow in the
+        # sender's next metrics pass (one IPC call each), so a scrape can land between them
         text = metrics(triton)
-        if metric_value(text, "vllm:request_success_total", finished_reason="abort") > aborted:
+        if (metric_value(text, "vllm:request_success_total", finished_reason="abort") > aborted
+                and metric_value(text, "vllm:kv_cache_usage_perc") == 0):
             break
         time.sleep(0.1)
     # the loop counts an abort only when it sent that request's final response
