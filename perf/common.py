@@ -319,6 +319,9 @@ def profile_generate(llm, prompts, params, label: str, rows: int = 18, trace: bo
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"profile-{label}.txt"), "w") as f:
             f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60))
+        with open(os.path.join(os.environ["OUT"], f"kernels-{label}.tsv"), "w") as f:
+            f.write("kernel\tstart_us\tduration_us\n")     # every kernel, in start order
+            f.writelines(f"{n[:120]}\t{s:.3f}\t{d:.3f}\n" for n, s, d in seq)
         if trace:
             prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace-{label}.json"))
     return {"wall_ms": wall * 1e3, "kernel_ms": busy_us / 1e3, "busy_fraction": busy_us / 1e6 / wall,
