@@ -52,7 +52,8 @@ class Completion:
 
 def build_inputs(prompt: Optional[str] = None, input_ids: Optional[Sequence[int]] = None,
                  stop: Optional[Sequence[str]] = None, cache_salt: Optional[str] = None,
-                 sampling_parameters: Optional[dict] = None, **scalars: Any
+                 sampling_parameters: Optional[dict] = None,
+                 bad_words: Optional[Sequence[str]] = None, **scalars: Any
                  ) -> list[grpcclient.InferInput]:
     """InferInputs with a batch dimension of 1, as the ensemble and engine declare them."""
     inputs = []
@@ -78,6 +79,8 @@ def build_inputs(prompt: Optional[str] = None, input_ids: Optional[Sequence[int]
         add(name, np.array([[value]], dtype=dtype), TRITON_DTYPES[dtype])
     if stop:
         text("stop_words", list(stop))
+    if bad_words:
+        text("bad_words", list(bad_words))
     if cache_salt is not None:
         text("cache_salt", [cache_salt])
     if sampling_parameters:

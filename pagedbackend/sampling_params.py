@@ -34,6 +34,15 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias, -100..100);
+    # JSON keys may be the ids as strings. Token ids are checked against the model's vocabulary
+    # when the engine takes the request.
+    logit_bias: Optional[dict[int, float]] = None
+    # Only these token ids may be generated (vLLM's allowed_token_ids).
+    allowed_token_ids: Optional[list[int]] = None
+    # Words never generated (vLLM's bad_words): each word's tokens, with and without a leading
+    # space; its last token is banned wherever the output already ends with the others.
+    bad_words: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +86,39 @@ class SamplingParams:
                   f"an integer in [0, {MAX_LOGPROBS}]")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
+        self._check_token_controls()
+
+    def _check_token_controls(self) -> None:
+        if self.logit_bias is not None:
+            check(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias,
+                  "an object mapping token ids to numbers in [-100, 100]")
+            bias = {}
+            for key, value in self.logit_bias.items():
+                tok = _token_id(key)
+                check(tok is not None, "logit_bias", key, "token ids (integers >= 0) as keys")
+                check(isinstance(value, (int, float)) and not isinstance(value, bool)
+                      and -100.0 <= value <= 100.0, f"logit_bias[{tok}]", value,
+                      "a number in [-100, 100]")
+                bias[tok] = float(value)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            check(isinstance(ids, (list, tuple)) and len(ids) > 0
+                  and all(_is_int(t) and t >= 0 for t in ids), "allowed_token_ids", ids,
+                  "a non-empty list of token ids >= 0")
+            self.allowed_token_ids = sorted(set(ids))
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
+        check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+              self.bad_words, "a list of non-empty strings")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every token id of logit_bias and allowed_token_ids in [0, vocab_size)."""
+        for name, ids in (("logit_bias", self.logit_bias or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab_size]
+            check(not bad, name, bad[:8], f"token ids in [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
@@ -97,3 +139,12 @@ class SamplingParams:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _token_id(key: Any) -> Optional[int]:
+    """A token id given as an int or, from JSON, as a decimal string; None if it is neither."""
+    if _is_int(key):
+        return key if key >= 0 else None
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key.strip())
+    return None

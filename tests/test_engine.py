@@ -117,6 +117,9 @@ def test_sampling_seed_and_n(llama_dir):
     (dict(n=0), "n"), (dict(n=10_000), "n"), (dict(logprobs=21), "logprobs"),
     (dict(presence_penalty=3), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(seed=-1), "seed"),
+    (dict(logit_bias={"7": 100.5}), r"logit_bias\[7\]"), (dict(logit_bias={"x": 1}), "logit_bias"),
+    (dict(logit_bias=[1, 2]), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"), (dict(bad_words=[" "]), "bad_words"),
 ])
 def test_sampling_params_validation_names_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}="):
@@ -133,6 +136,9 @@ def test_request_validation_names_field(llama_dir):
         ([-1], ok, "prompt_token_ids"),
         ([1] * 64, ok, "prompt"),
         ([1] * 10, SamplingParams(max_tokens=60), "max_tokens"),
+        ([1, 2], SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias"),
+        ([1, 2], SamplingParams(allowed_token_ids=[0, VOCAB + 5]), "allowed_token_ids"),
+        ([1, 2], SamplingParams(bad_words=["no"]), "bad_words"),     # no tokenizer here
     ]
     for prompt, params, field in cases:
         with pytest.raises(ValueError, match=rf"^{field}=") as e:

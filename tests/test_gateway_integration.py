@@ -173,6 +173,21 @@ def test_n_2_returns_two_choices(client):
     assert seen == {0, 1}
 
 
+def test_logit_bias_and_bad_words_reach_the_engine(client, tokenizer):
+    paris = tokenizer.encode(" Paris", add_special_tokens=False)
+    assert len(paris) == 1
+    plain = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0,
+                                           max_tokens=24).choices[0].message.content
+    biased = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0,
+                                            max_tokens=24, logit_bias={str(paris[0]): -100})
+    banned = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0,
+                                            max_tokens=24, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" in plain
+    for r in (biased, banned):
+        text = r.choices[0].message.content
+        assert "Paris" not in text and text.startswith("The capital of France is")
+
+
 def test_logprobs_chat_and_completions(client):
     chat = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0,
                                           max_tokens=5, logprobs=True, top_logprobs=3)
@@ -249,6 +264,10 @@ BAD = [
     ("/v1/completions", {"model": "smollm2", "prompt": "Hi", "logprobs": 100}, 400, "logprobs"),
     ("/v1/chat/completions", {"model": "smollm2", "messages": MSG, "logprobs": True,
                               "top_logprobs": 100}, 400, "top_logprobs"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "Hi", "logit_bias": {"12": -101}}, 400,
+     "logit_bias[12]"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "Hi", "allowed_token_ids": [10**9]}, 400,
+     "allowed_token_ids"),
     ("/v1/completions", {"model": "smollm2", "prompt": LONG, "max_tokens": 4}, 400, "prompt"),
     ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user",
                                                                 "content": LONG}]}, 400,

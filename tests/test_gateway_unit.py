@@ -159,13 +159,15 @@ def test_parameter_mapping_incl_vllm_extras(client, fake):
             "seed": 42, "presence_penalty": 0.5, "frequency_penalty": -0.5, "top_k": 20,
             "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True,
             "priority": 3, "cache_salt": "tenant-a", "user": "u1", "unknown_field": {"x": 1},
-            "logit_bias": {"1": 2}}
+            "logit_bias": {"1": 2}, "allowed_token_ids": [1, 5], "bad_words": ["no"]}
     assert client.post("/v1/completions", json=body).status_code == 200
     req = fake.requests[0]
     assert req.params == {"max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "stop": ["\n"],
                           "seed": 42, "presence_penalty": 0.5, "frequency_penalty": -0.5,
                           "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
-                          "min_tokens": 2, "ignore_eos": True, "logprobs": None}
+                          "min_tokens": 2, "ignore_eos": True, "logprobs": None,
+                          "logit_bias": {"1": 2}, "allowed_token_ids": [1, 5],
+                          "bad_words": ["no"]}
     assert req.priority == 3 and req.cache_salt == "tenant-a"
 
 

@@ -145,7 +145,8 @@ def test_no_penalty_rows_skip_the_work():
                  prompts=[[1, 2, 3], [4]], outputs=[[5], [6]])
     assert meta.output_counts is None and meta.seen_mask is None
     assert meta.top_k is None and meta.top_p is None and meta.min_p is None
-    assert meta.temperature is None and meta.min_tokens_rows is None
+    assert meta.temperature is None and meta.banned_rows is None
+    assert meta.bias_rows is None and meta.allowed_mask is None
 
 
 def test_min_tokens_masks_stop_ids_until_reached():
@@ -261,3 +262,70 @@ def test_bad_shapes_are_reported():
         SamplingMetadata.build([SamplingParams()], [], [[]], [None], [[]], V, CPU)
     with pytest.raises(ValueError, match="does not match"):
         Sampler()(rand_logits(2), build([SamplingParams()]))
+
+
+# ---- logit_bias, allowed_token_ids, bad_words --------------------------------------------
+def test_logit_bias_is_added_before_sampling_and_logprobs_stay_raw():
+    logits = rand_logits(3)
+    bias = {int(t): float(b) for t, b in zip(torch.randperm(V)[:5], (7.5, -3.0, 100, -100, 2))}
+    params = [SamplingParams(temperature=0.0, logit_bias=bias, logprobs=2),
+              SamplingParams(temperature=0.9, seed=11, logit_bias=bias),
+              SamplingParams(temperature=0.0)]
+    biased = logits.clone()
+    for t, b in bias.items():
+        biased[:2, t] += b
+    out = run(logits, build(params, gens=[None, gen(4), None]))
+    # the same draws as from logits that carry the bias already (same seed for the sampled row)
+    ref = run(biased, build([p.clone(logit_bias=None) for p in params],
+                            gens=[None, gen(4), None]))
+    assert torch.equal(out.sampled_token_ids, ref.sampled_token_ids)
+    assert out.sampled_token_ids[0] == biased[0].argmax()
+    assert out.sampled_token_ids[2] == logits[2].argmax()            # a row without a bias
+    raw = torch.log_softmax(logits[0].double(), -1)
+    lp = out.logprobs.tolists()[0]
+    for t, v in lp.items():
+        assert v == pytest.approx(raw[t].item(), abs=1e-5)
+
+
+def test_allowed_token_ids_restrict_only_their_rows():
+    logits = rand_logits(4)
+    allowed = sorted(torch.randperm(V)[:7].tolist())
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+              SamplingParams(temperature=1.5, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.5, seed=3)]
+    meta = build(params, gens=[None, None, None, gen(3)])
+    assert meta.allowed_mask.sum(-1).tolist() == [7, 7, V, V]
+    out = run(logits, meta)
+    assert out.sampled_token_ids[0] == allowed[int(logits[0, allowed].argmax())]
+    assert out.sampled_token_ids[2] == logits[2].argmax()
+    alone = run(logits[3:], build(params[3:], gens=[gen(3)]))
+    assert out.sampled_token_ids[3] == alone.sampled_token_ids[0]     # the same seeded draw
+    drawn = {int(run(logits, build(params, gens=[None, None, None, gen(3)]))
+                 .sampled_token_ids[1]) for _ in range(40)}
+    assert drawn <= set(allowed) and len(drawn) > 1
+
+
+def bad_words_meta(output, words):
+    return SamplingMetadata.build([SamplingParams(temperature=0.0)], [[]], [output], [None],
+                                  [[]], V, CPU, bad_words=[words])
+
+
+def test_bad_words_ban_a_word_s_last_token_only_after_the_rest_of_it():
+    logits = rand_logits(1)
+    best, second, third = logits[0].argsort(descending=True)[:3].tolist()
+    # a one-token word: banned at every step
+    assert run(logits, bad_words_meta([9], [[best]])).sampled_token_ids[0] == second
+    # a word [42, best]: its last token is banned only right after 42
+    words = [[42, best], [7, 42, second]]
+    assert run(logits, bad_words_meta([5, 7], words)).sampled_token_ids[0] == best
+    assert run(logits, bad_words_meta([42, 5], words)).sampled_token_ids[0] == best
+    after_42 = bad_words_meta([5, 42], words)
+    assert after_42.banned_ids.tolist() == [best]
+    assert run(logits, after_42).sampled_token_ids[0] == second
+    # after ... 7, 42 both words are one token short of complete: both last tokens banned
+    both = bad_words_meta([1, 7, 42], words)
+    assert both.banned_ids.tolist() == [best, second]
+    assert run(logits, both).sampled_token_ids[0] == third
+    # a word longer than the output so far bans nothing
+    assert bad_words_meta([42], [[3, 42, best]]).banned_rows is None

@@ -50,7 +50,21 @@ def test_sampling_parameters_json_strings_and_precedence():
     assert r.params.stop == ["x"] and r.params.ignore_eos is True
 
 
+def test_token_controls_from_tensors_json_and_request_parameters():
+    sp = json.dumps({"logit_bias": {"17": -100, "3": 2.5}, "allowed_token_ids": [9, 3, 9]})
+    r = parse_request({"text_input": s("x"), "sampling_parameters": s(sp),
+                       "bad_words": s("darn", "", "heck")})
+    assert r.params.logit_bias == {17: -100.0, 3: 2.5}
+    assert r.params.allowed_token_ids == [3, 9] and r.params.bad_words == ["darn", "heck"]
+    # Triton request parameters are strings: the object arrives as its JSON text
+    r = parse_request({"text_input": s("x")}, {"logit_bias": '{"5": 1}', "bad_words": "oops"})
+    assert r.params.logit_bias == {5: 1.0} and r.params.bad_words == ["oops"]
+
+
 @pytest.mark.parametrize("inputs, field", [
+    ({"sampling_parameters": s('{"logit_bias": [1]}')}, "logit_bias"),
+    ({"sampling_parameters": s('{"logit_bias": {"1": "lots"}}')}, "logit_bias[1]"),
+    ({"sampling_parameters": s('{"allowed_token_ids": "none"}')}, "allowed_token_ids"),
     ({"temperature": f32(-1.0)}, "temperature"),
     ({"top_p": f32(0.0)}, "top_p"),
     ({"top_k": i32(0)}, "top_k"),

@@ -94,3 +94,48 @@ def test_seeded_sampling_is_reproducible_in_mixed_batches(llm):
                          [SamplingParams(temperature=1.0, max_tokens=20), p,
                           SamplingParams(temperature=0.5, max_tokens=8)])
     assert mixed[1].outputs[0].token_ids == a
+
+
+def token_id(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == 1, (text, ids)
+    return ids[0]
+
+
+def test_logit_bias_and_allowed_token_ids_steer_the_answer(llm):
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    paris = token_id(tok, " Paris")
+    plain = llm.chat(QUESTION, greedy)[0].outputs[0]
+    assert paris in plain.token_ids
+    # -100 keeps the token out, as a JSON client would send it (string keys)
+    no_paris = llm.chat(QUESTION, greedy.clone(logit_bias={str(paris): -100}))[0].outputs[0]
+    assert paris not in no_paris.token_ids and "The capital of France is" in no_paris.text
+    # +100 on one token makes it every token
+    banana = token_id(tok, " banana")
+    forced = llm.chat(QUESTION, greedy.clone(logit_bias={banana: 100}, max_tokens=4))[0]
+    assert forced.outputs[0].token_ids == [banana] * 4
+    yes_no = [token_id(tok, " yes"), token_id(tok, " no"), token_id(tok, " maybe")]
+    out = llm.chat(QUESTION, SamplingParams(temperature=1.0, seed=5, max_tokens=10,
+                                            ignore_eos=True, allowed_token_ids=yes_no))[0]
+    assert len(out.outputs[0].token_ids) == 10 and set(out.outputs[0].token_ids) <= set(yes_no)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_bad_words_keep_words_out_of_the_answer(smollm2_dir, llm, async_scheduling):
+    """One-token words are banned at every step; a word of several tokens loses its last token
+    only where the output ends with the rest of it, which needs every earlier token on the host
+    before the step is launched (async scheduling lands the step in flight first)."""
+    eng = llm if not async_scheduling else LLM(smollm2_dir, dtype="float32", block_size=16,
+                                               async_scheduling=True)
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    plain = eng.chat(QUESTION, greedy)[0].outputs[0].text
+    assert "capital of France" in plain and "Paris" in plain
+    words = ["capital of France", "Paris"]
+    assert len(tok.encode(" capital of France", add_special_tokens=False)) > 1
+    outs = eng.chat([QUESTION, QUESTION], [greedy.clone(bad_words=words), greedy])
+    text = outs[0].outputs[0].text
+    assert "capital of France" not in text and "Paris" not in text and text != plain
+    assert "capital of" in text or "France" in text      # only the whole word is banned
+    assert outs[1].outputs[0].text == plain              # its batch neighbour is unchanged

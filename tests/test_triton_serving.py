@@ -117,6 +117,23 @@ def test_stop_strings_cut_exactly_streaming_or_not(triton, tokenizer):  # noqa: 
     assert cut.text == full[:full.index("Paris")] == streamed.text
 
 
+def test_bad_words_tensor_and_logit_bias_in_sampling_parameters(triton, tokenizer):  # noqa: F811
+    prompt = chat(tokenizer, FRANCE)
+    with grpc(triton) as c:
+        full = c.generate(prompt, max_tokens=24, temperature=0.0).text
+        banned = c.generate(prompt, max_tokens=24, temperature=0.0, bad_words=["Paris"],
+                            stream=True)
+    assert "Paris" in full and "Paris" not in banned.text and banned.text
+    paris = tokenizer.encode(" Paris", add_special_tokens=False)
+    assert len(paris) == 1
+    body = {"text_input": prompt, "max_tokens": 24, "sampling_parameters": json.dumps(
+        {"temperature": 0, "logit_bias": {str(paris[0]): -100}})}
+    status, raw = http_post(triton, "/v2/models/ensemble/generate", body)
+    assert status == 200, raw
+    text = json.loads(raw)["text_output"]
+    assert "Paris" not in text and text.startswith("The capital of France is")
+
+
 def test_logprobs_output_streaming_or_not(triton, tokenizer):  # noqa: F811
     body = {"text_input": chat(tokenizer, FRANCE), "max_tokens": 6,
             "sampling_parameters": json.dumps({"temperature": 0, "logprobs": 2})}
@@ -240,6 +257,8 @@ BAD_INPUTS = [
     ({"text_input": ""}, "text_input"),
     ({"text_input": "word " * 1100}, "max_model_len"),    # prompt longer than the context
     ({"sampling_parameters": '{"temperature": "hot"}'}, "sampling_parameters.temperature"),
+    ({"sampling_parameters": '{"logit_bias": {"5": 500}}'}, "logit_bias[5]"),
+    ({"sampling_parameters": '{"allowed_token_ids": [99999999]}'}, "allowed_token_ids"),
 ]
 
 

@@ -19,7 +19,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # Body fields passed to the engine unchanged (OpenAI's and vLLM's sampling extras).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "min_tokens", "ignore_eos",
-                    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
+                    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                    "logit_bias", "allowed_token_ids", "bad_words")
 
 
 @dataclass

@@ -26,7 +26,7 @@ _TENSORS = {
     "presence_penalty": ("presence_penalty", "FP32"),
     "frequency_penalty": ("frequency_penalty", "FP32"), "seed": ("seed", "UINT64"),
     "min_tokens": ("min_tokens", "INT32"), "ignore_eos": ("ignore_eos", "BOOL"),
-    "stop": ("stop_words", "BYTES"),
+    "stop": ("stop_words", "BYTES"), "bad_words": ("bad_words", "BYTES"),
 }
 _NUMPY = {"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_,
           "BYTES": np.object_}

@@ -45,6 +45,8 @@ class Request:
         self.num_pending = 0
         # Its sampling reads all earlier tokens (penalties): never launched with one in flight.
         self.needs_all_tokens = False
+        # bad_words as token id sequences (the engine tokenizes them once)
+        self.bad_words_token_ids: list[list[int]] = []
         self.num_cached_tokens = -1          # prefix-cache hit on first admission; -1 = not yet
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None

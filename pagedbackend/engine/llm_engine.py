@@ -156,6 +156,8 @@ class LLMEngine:
                   "when chunked prefill is off")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop=[...] is invalid: must be empty for a model without a tokenizer")
+        params.check_vocab(info.vocab_size)
+        bad_words = self._bad_words_token_ids(params.bad_words)
         now = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
@@ -166,14 +168,33 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             child = Request(child_id, ids, child_params, max_tokens, info.eos_token_ids,
                             now, priority, cache_salt, info.max_model_len)
+            child.bad_words_token_ids = bad_words
+            # penalties and bad words of several tokens read every token generated so far
             child.needs_all_tokens = (params.uses_repetition_penalty
-                                      or params.uses_output_penalties)
+                                      or params.uses_output_penalties
+                                      or any(len(w) > 1 for w in bad_words))
             children.append(child)
         self.outputs.add(request_id, prompt_text, ids, params, children,
                          detokenize=detokenize and self.tokenizer is not None, arrival_time=now,
                          final_only=final_only)
         for child in children:
             self.scheduler.add_request(child)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as it would appear at the start of the text and after a
+        space (tokenizers that mark word starts give the two different ids), without
+        duplicates."""
+        if not words:
+            return []
+        check(self.tokenizer is not None, "bad_words", words,
+              "empty for a model without a tokenizer")
+        seqs: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):

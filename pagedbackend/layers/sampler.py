@@ -41,9 +41,17 @@ class SamplingMetadata:
     frequency_penalty: Optional[torch.Tensor]
     seen_mask: Optional[torch.Tensor]         # [B, V] bool, token in prompt or output
     output_counts: Optional[torch.Tensor]     # [B, V] float32
-    # (row, token) pairs forced to -inf because the row has not reached min_tokens yet.
-    min_tokens_rows: Optional[torch.Tensor]
-    min_tokens_ids: Optional[torch.Tensor]
+    # (row, token) pairs forced to -inf: a stop token before min_tokens, a bad word's last
+    # token where the output ends with the rest of it.
+    banned_rows: Optional[torch.Tensor]
+    banned_ids: Optional[torch.Tensor]
+    # logit_bias as (row, token, bias) triples, added before the penalties.
+    bias_rows: Optional[torch.Tensor]
+    bias_ids: Optional[torch.Tensor]
+    bias_values: Optional[torch.Tensor]
+    # [B, V] bool, True where the token may be sampled (allowed_token_ids; rows without a list
+    # allow all); None when no row has one.
+    allowed_mask: Optional[torch.Tensor]
     num_logprobs: list[Optional[int]]         # host copy of each row's SamplingParams.logprobs
     max_num_logprobs: Optional[int]           # None: no row wants logprobs
 
@@ -56,10 +64,14 @@ class SamplingMetadata:
               output_token_ids: Sequence[Sequence[int]],
               generators: Sequence[Optional[torch.Generator]],
               min_tokens_stop_ids: Sequence[Sequence[int]], vocab_size: int,
-              device: torch.device) -> "SamplingMetadata":
+              device: torch.device,
+              bad_words: Optional[Sequence[Sequence[Sequence[int]]]] = None
+              ) -> "SamplingMetadata":
+        """bad_words: per row, its bad words as token id sequences (Request.bad_words_token_ids);
+        None when no row has any."""
         n, V = len(params), vocab_size
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators)
-                == len(min_tokens_stop_ids) == n):
+                == len(min_tokens_stop_ids) == n) or bad_words is not None and len(bad_words) != n:
             raise ValueError("SamplingMetadata.build: every per-row list must have one entry "
                              f"per row ({n})")
 
@@ -97,16 +109,40 @@ class SamplingMetadata:
                 pres = floats([p.presence_penalty for p in params])
                 freq = floats([p.frequency_penalty for p in params])
 
-        mt_rows, mt_ids = [], []
+        ban_rows, ban_ids = [], []
         for i, (p, ids) in enumerate(zip(params, min_tokens_stop_ids)):
             if ids and len(output_token_ids[i]) < p.min_tokens:
                 valid = [t for t in ids if 0 <= t < V]
-                mt_rows += [i] * len(valid)
-                mt_ids += valid
-        mt_r = mt_i = None
-        if mt_rows:
-            mt_r = _to_device(mt_rows, torch.long, device)
-            mt_i = _to_device(mt_ids, torch.long, device)
+                ban_rows += [i] * len(valid)
+                ban_ids += valid
+        for i, words in enumerate(bad_words or ()):
+            for t in _bad_word_bans(words, output_token_ids[i], V):
+                ban_rows.append(i)
+                ban_ids.append(t)
+        ban_r = ban_i = None
+        if ban_rows:
+            ban_r = _to_device(ban_rows, torch.long, device)
+            ban_i = _to_device(ban_ids, torch.long, device)
+
+        bias_r = bias_i = bias_v = allowed = None
+        # one pass over the rows; the rest only for rows with a logit_bias or allowed_token_ids
+        ctl = [(i, p) for i, p in enumerate(params)
+               if p.logit_bias is not None or p.allowed_token_ids is not None]
+        triples = [(i, t, b) for i, p in ctl if p.logit_bias
+                   for t, b in p.logit_bias.items() if 0 <= t < V]
+        if triples:
+            rows_, ids_, vals_ = zip(*triples)
+            bias_r = _to_device(list(rows_), torch.long, device)
+            bias_i = _to_device(list(ids_), torch.long, device)
+            bias_v = _to_device(list(vals_), torch.float32, device)
+
+        lists = [(i, p.allowed_token_ids) for i, p in ctl if p.allowed_token_ids]
+        if lists:
+            allowed = torch.ones(n, V, dtype=torch.bool, device=device)
+            allowed[_to_device([i for i, _ in lists], torch.long, device)] = False
+            pairs = [(i, t) for i, ids in lists for t in ids if 0 <= t < V]
+            allowed[_to_device([i for i, _ in pairs], torch.long, device),
+                    _to_device([t for _, t in pairs], torch.long, device)] = True
 
         num_logprobs = [p.logprobs for p in params]
         wanted = [k for k in num_logprobs if k is not None]
@@ -117,7 +153,8 @@ class SamplingMetadata:
             num_random=len(rand), temperature=temperature, top_k=top_k, max_top_k=max_top_k,
             top_p=top_p, min_p=min_p, generators=gens, repetition_penalty=rep,
             presence_penalty=pres, frequency_penalty=freq, seen_mask=seen, output_counts=counts,
-            min_tokens_rows=mt_r, min_tokens_ids=mt_i, num_logprobs=num_logprobs,
+            banned_rows=ban_r, banned_ids=ban_i, bias_rows=bias_r, bias_ids=bias_i,
+            bias_values=bias_v, allowed_mask=allowed, num_logprobs=num_logprobs,
             max_num_logprobs=max(wanted) if wanted else None)
 
 
@@ -154,16 +191,22 @@ class Sampler(torch.nn.Module):
         if logits.shape != (meta.num_rows, meta.vocab_size):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match the sampling "
                              f"metadata ({meta.num_rows}, {meta.vocab_size})")
-        if meta.all_greedy and meta.max_num_logprobs is None and meta.min_tokens_rows is None \
-                and meta.repetition_penalty is None and meta.frequency_penalty is None:
+        if meta.all_greedy and meta.max_num_logprobs is None and meta.banned_rows is None \
+                and meta.repetition_penalty is None and meta.frequency_penalty is None \
+                and meta.bias_rows is None and meta.allowed_mask is None:
             # the common greedy step: the argmax of the logits as they are (widening is exact)
             return SamplerOutput(sampled_token_ids=argmax(logits), logprobs=None)
         logits = logits.float()
         raw = logits
+        if meta.bias_rows is not None:         # out of place: raw stays the model's logits
+            logits = logits.index_put((meta.bias_rows, meta.bias_ids), meta.bias_values,
+                                      accumulate=True)
         logits = _apply_penalties(logits, meta)
-        if meta.min_tokens_rows is not None:
-            logits = logits.index_put((meta.min_tokens_rows, meta.min_tokens_ids),
+        if meta.banned_rows is not None:
+            logits = logits.index_put((meta.banned_rows, meta.banned_ids),
                                       logits.new_full((), -math.inf))
+        if meta.allowed_mask is not None:
+            logits = logits.masked_fill(~meta.allowed_mask, -math.inf)
 
         if meta.all_greedy:
             sampled = argmax(logits)
@@ -207,6 +250,18 @@ def _to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
 
 def _is_greedy(p: SamplingParams) -> bool:
     return p.greedy or p.temperature < _GREEDY_EPS
+
+
+def _bad_word_bans(words: Sequence[Sequence[int]], output: Sequence[int], V: int) -> list[int]:
+    """The tokens a row may not sample next: the last token of each bad word whose other tokens
+    end the output (a one-token word: always)."""
+    bans = []
+    for word in words:
+        k = len(word) - 1
+        if 0 <= word[-1] < V and (k == 0 or len(output) >= k
+                                  and list(output[len(output) - k:]) == list(word[:-1])):
+            bans.append(word[-1])
+    return bans
 
 
 def _scatter_rows(rows: list[list[int]], V: int, device: torch.device,

@@ -98,6 +98,8 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]],
             flags[name] = _scalar(inputs[name], name, kind)
     if "stop_words" in inputs:
         fields["stop"] = [s for s in _strings(inputs["stop_words"], "stop_words") if s]
+    if "bad_words" in inputs:
+        fields["bad_words"] = [s for s in _strings(inputs["bad_words"], "bad_words") if s]
     if "cache_salt" in inputs:
         cache_salt = one_string(inputs["cache_salt"], "cache_salt") or None
 
@@ -205,6 +207,15 @@ def _coerce_field(field: str, value: Any, where: str) -> Any:
     hint = hint if isinstance(hint, str) else getattr(hint, "__name__", str(hint))
     if value is None:
         return None
+    if hint.startswith(("dict", "Optional[dict")):       # logit_bias: an object, or its JSON
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(value, dict):
+            raise RequestError(f"{where}={value!r} is invalid: must be a JSON object")
+        return value
     if "list" in hint:
         if isinstance(value, str):
             try:

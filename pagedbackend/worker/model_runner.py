@@ -262,7 +262,9 @@ class ModelRunner:
             output_token_ids=[r.output_token_ids for r in reqs],
             generators=[self._generator(r) for r in reqs],
             min_tokens_stop_ids=[self._min_tokens_stop_ids(r) for r in reqs],
-            vocab_size=logits.shape[-1], device=self.device)
+            vocab_size=logits.shape[-1], device=self.device,
+            bad_words=([r.bad_words_token_ids for r in reqs]
+                       if any(r.bad_words_token_ids for r in reqs) else None))
         out = self.sampler(logits, smeta)
         sampled = out.sampled_token_ids
         self.prev_sampled = sampled
