@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagedbackend.config import _is_int, check
+
+# SamplingParams.structured_outputs holds exactly one of these (engine/structured_outputs.py).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -43,6 +47,10 @@ class SamplingParams:
     # Words never generated (vLLM's bad_words): each word's tokens, with and without a leading
     # space; its last token is banned wherever the output already ends with the others.
     bad_words: list[str] = field(default_factory=list)
+    # Output held to a grammar (vLLM's structured_outputs / guided_decoding): one of
+    # {"json": schema}, {"json_object": true}, {"regex": str}, {"choice": [str, ...]},
+    # {"grammar": EBNF str}.
+    structured_outputs: Optional[dict] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +120,7 @@ class SamplingParams:
         self.bad_words = list(self.bad_words or [])
         check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
               self.bad_words, "a list of non-empty strings")
+        self.structured_outputs = check_structured_outputs(self.structured_outputs)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Every token id of logit_bias and allowed_token_ids in [0, vocab_size)."""
@@ -148,3 +157,36 @@ def _token_id(key: Any) -> Optional[int]:
     if isinstance(key, str) and key.strip().isdigit():
         return int(key.strip())
     return None
+
+
+def check_structured_outputs(spec: Any) -> Optional[dict]:
+    """SamplingParams.structured_outputs validated: exactly one of STRUCTURED_KINDS with a value
+    of its kind; returned with a `json` schema as canonical JSON text (an object is accepted)."""
+    if spec is None:
+        return None
+    one_of = f"an object with exactly one of {', '.join(STRUCTURED_KINDS)}"
+    check(isinstance(spec, dict), "structured_outputs", spec, one_of)
+    given = {k: v for k, v in spec.items() if v is not None and v is not False}
+    check(set(given) <= set(STRUCTURED_KINDS) and len(given) == 1, "structured_outputs", spec,
+          one_of)
+    (kind, value), = given.items()
+    where = f"structured_outputs.{kind}"
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                check(False, where, value, "a JSON schema (an object, or its JSON text)")
+        check(isinstance(value, dict), where, value, "a JSON schema (an object)")
+        value = json.dumps(value)             # property order kept: it is the output order
+    elif kind == "json_object":
+        check(value is True, where, value, "true")
+    elif kind == "choice":
+        check(isinstance(value, list) and len(value) > 0
+              and all(isinstance(c, str) and c for c in value), where, value,
+              "a non-empty list of non-empty strings")
+        value = list(value)
+    else:
+        check(isinstance(value, str) and value.strip() != "", where, value,
+              "a non-empty string" + (" (EBNF)" if kind == "grammar" else ""))
+    return {kind: value}

@@ -188,6 +188,25 @@ def test_logit_bias_and_bad_words_reach_the_engine(client, tokenizer):
         assert "Paris" not in text and text.startswith("The capital of France is")
 
 
+def test_response_format_and_guided_choice(client):
+    import jsonschema
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "country": {"type": "string"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="smollm2", messages=MSG, temperature=0, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    assert r.choices[0].finish_reason == "stop"
+    ask_json = [{"role": "user", "content": QUESTION + " Answer in JSON."}]
+    r = client.chat.completions.create(model="smollm2", messages=ask_json, temperature=0,
+                                       max_tokens=60, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(model="smollm2", prompt="The best city is", max_tokens=8,
+                                  extra_body={"guided_choice": ["Paris", "Rome"]})
+    assert r.choices[0].text in ("Paris", "Rome")
+
+
 def test_logprobs_chat_and_completions(client):
     chat = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0,
                                           max_tokens=5, logprobs=True, top_logprobs=3)
@@ -268,6 +287,10 @@ BAD = [
      "logit_bias[12]"),
     ("/v1/completions", {"model": "smollm2", "prompt": "Hi", "allowed_token_ids": [10**9]}, 400,
      "allowed_token_ids"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "Hi", "guided_regex": "(x"}, 400,
+     "guided_regex"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": MSG,
+                              "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/completions", {"model": "smollm2", "prompt": LONG, "max_tokens": 4}, 400, "prompt"),
     ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user",
                                                                 "content": LONG}]}, 400,

@@ -514,3 +514,41 @@ def test_triton_backend_streams_from_triton_and_merges_for_non_streaming_clients
         await gen.aclose()
     asyncio.run(leave_early())
     assert closed[-1] == "early"
+
+
+def test_structured_output_fields_map_to_one_spec(client, fake):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    bodies = [
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                            "schema": schema}}},
+        {**CHAT, "response_format": {"type": "json_object"}},
+        {**CHAT, "response_format": {"type": "text"}},
+        {**COMP, "guided_json": json.dumps(schema)},
+        {**COMP, "guided_choice": ["a", "b"]},
+        {**COMP, "guided_regex": "[a-z]+"},
+        {**COMP, "guided_grammar": 'root ::= "x"'},
+        {**COMP, "structured_outputs": {"choice": ["y"]}},
+    ]
+    for body in bodies:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        assert client.post(path, json=body).status_code == 200
+    got = [r.params.get("structured_outputs") for r in fake.requests]
+    assert got == [{"json": schema}, {"json_object": True}, None,
+                   {"json": json.dumps(schema)}, {"choice": ["a", "b"]},
+                   {"regex": "[a-z]+"}, {"grammar": 'root ::= "x"'}, {"choice": ["y"]}]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+])
+def test_bad_structured_output_fields_are_400(client, fake, extra, param):
+    r = client.post("/v1/chat/completions", json={**CHAT, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert not fake.requests

@@ -329,3 +329,44 @@ def test_bad_words_ban_a_word_s_last_token_only_after_the_rest_of_it():
     assert run(logits, both).sampled_token_ids[0] == third
     # a word longer than the output so far bans nothing
     assert bad_words_meta([42], [[3, 42, best]]).banned_rows is None
+
+
+class FakeGrammar:
+    """The GrammarState interface with a fixed set of allowed tokens."""
+
+    def __init__(self, allowed):
+        self.allowed = allowed
+
+    def fill_bitmask(self, bitmask, row):
+        bitmask[row] = 0
+        for t in self.allowed:
+            word = bitmask[row, t // 32].item() | (1 << (t % 32))
+            bitmask[row, t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+
+def test_grammar_rows_sample_only_what_the_grammar_allows():
+    logits = rand_logits(3)
+    allowed = sorted(torch.randperm(V)[:5].tolist()) + [V - 1, 31, 32]   # word edges too
+    g = FakeGrammar(allowed)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=2.0, allowed_token_ids=allowed[:3])]
+    meta = SamplingMetadata.build(params, [[]] * 3, [[]] * 3, [None] * 3, [[]] * 3, V, CPU,
+                                  grammars=[g, None, g])
+    assert meta.allowed_mask[0].nonzero().flatten().tolist() == sorted(set(allowed))
+    assert meta.allowed_mask[1].all()
+    # a grammar and allowed_token_ids together: both hold
+    assert meta.allowed_mask[2].nonzero().flatten().tolist() == sorted(allowed[:3])
+    out = run(logits, meta)
+    assert out.sampled_token_ids[0] == max(allowed, key=lambda t: logits[0, t])
+    assert out.sampled_token_ids[1] == logits[1].argmax()
+    assert int(out.sampled_token_ids[2]) in allowed[:3]
+
+
+def test_bitmask_unpacking_matches_xgrammar():
+    xgr = pytest.importorskip("xgrammar")
+    from pagedbackend.layers.sampler import unpack_bitmask
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, (V + 31) // 32), dtype=torch.int32)
+    logits = rand_logits(3)
+    ref = logits.clone()
+    xgr.apply_token_bitmask_inplace(ref, bitmask)
+    assert torch.equal(logits.masked_fill(~unpack_bitmask(bitmask, V), -math.inf), ref)

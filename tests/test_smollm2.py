@@ -1,4 +1,6 @@
 """The real SmolLM2-135M-Instruct through the engine: transformers parity, chat, text output."""
+import json
+
 import pytest
 import torch
 
@@ -139,3 +141,55 @@ def test_bad_words_keep_words_out_of_the_answer(smollm2_dir, llm, async_scheduli
     assert "capital of France" not in text and "Paris" not in text and text != plain
     assert "capital of" in text or "France" in text      # only the whole word is banned
     assert outs[1].outputs[0].text == plain              # its batch neighbour is unchanged
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "age": {"type": "integer", "minimum": 0}},
+          "required": ["name", "age"], "additionalProperties": False}
+ASK_PERSON = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+
+
+def test_structured_outputs_hold_the_answer_to_the_grammar(llm):
+    import re
+
+    import jsonschema
+    greedy = SamplingParams(temperature=0, max_tokens=80)
+    free = llm.chat(ASK_PERSON, greedy)[0].outputs[0].text
+    outs = llm.chat([ASK_PERSON] * 5 + [QUESTION], [
+        greedy.clone(structured_outputs={"json": PERSON}),
+        greedy.clone(structured_outputs={"json_object": True}),
+        greedy.clone(structured_outputs={"regex": r"[0-9]{3}-[A-Z]{2}"}),
+        SamplingParams(temperature=1.5, seed=1, n=3, max_tokens=16,
+                       structured_outputs={"choice": ["red", "green", "blue"]}),
+        greedy.clone(structured_outputs={"grammar": 'root ::= "yes" | "no"'}),
+        greedy])
+    person = json.loads(outs[0].outputs[0].text)
+    jsonschema.validate(person, PERSON)
+    assert list(person) == ["name", "age"]                       # the schema's order
+    assert outs[0].outputs[0].finish_reason == "stop"
+    assert isinstance(json.loads(outs[1].outputs[0].text), dict)
+    assert re.fullmatch(r"[0-9]{3}-[A-Z]{2}", outs[2].outputs[0].text)
+    assert len(outs[3].outputs) == 3
+    assert all(o.text in ("red", "green", "blue") for o in outs[3].outputs)
+    assert outs[4].outputs[0].text in ("yes", "no")
+    # the free-text neighbour in the same batch is untouched
+    assert outs[5].outputs[0].text.startswith("The capital of France is Paris")
+    with pytest.raises(json.JSONDecodeError):      # else the test above would prove nothing
+        json.loads(free)
+
+
+def test_structured_outputs_async_equal_sync_and_bad_grammars_name_the_field(smollm2_dir, llm):
+    asy = LLM(smollm2_dir, dtype="float32", block_size=16, async_scheduling=True)
+    assert asy.engine.async_scheduling
+    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs={"json": PERSON})
+    want = llm.chat(ASK_PERSON, params)[0].outputs[0]
+    got = asy.chat(ASK_PERSON, params)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.text == want.text
+    for spec, field in (({"regex": "(unclosed"}, "structured_outputs.regex"),
+                        ({"grammar": "root ::= nothing_defined"}, "structured_outputs.grammar"),
+                        ({"json": {"type": "no-such-type"}}, "structured_outputs.json")):
+        with pytest.raises(ValueError, match=rf"^{field}=.* is invalid: must be a valid"):
+            asy.engine.add_request("bad", [1, 2, 3], SamplingParams(structured_outputs=spec))
+    assert not asy.engine.has_unfinished()
+    assert asy.chat(QUESTION, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text \
+        .startswith("The capital of France is Paris")

@@ -134,6 +134,22 @@ def test_bad_words_tensor_and_logit_bias_in_sampling_parameters(triton, tokenize
     assert "Paris" not in text and text.startswith("The capital of France is")
 
 
+def test_structured_outputs_through_the_ensemble(triton, tokenizer):  # noqa: F811
+    prompt = chat(tokenizer, FRANCE)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"]}
+    body = {"text_input": prompt, "max_tokens": 40, "sampling_parameters": json.dumps(
+        {"temperature": 0, "structured_outputs": {"json": schema}})}
+    status, raw = http_post(triton, "/v2/models/ensemble/generate", body)
+    assert status == 200, raw
+    assert set(json.loads(json.loads(raw)["text_output"])) == {"city"}
+    # vLLM's older name, streamed
+    events = sse(triton, {**body, "stream": True, "sampling_parameters": json.dumps(
+        {"temperature": 0, "guided_decoding": {"choice": ["Lyon", "Paris", "Nice"]}})})
+    assert "".join(ev["text_output"] for ev in events) in ("Lyon", "Paris", "Nice")
+    assert events[-1]["finish_reason"] == "stop"
+
+
 def test_logprobs_output_streaming_or_not(triton, tokenizer):  # noqa: F811
     body = {"text_input": chat(tokenizer, FRANCE), "max_tokens": 6,
             "sampling_parameters": json.dumps({"temperature": 0, "logprobs": 2})}
@@ -259,6 +275,9 @@ BAD_INPUTS = [
     ({"sampling_parameters": '{"temperature": "hot"}'}, "sampling_parameters.temperature"),
     ({"sampling_parameters": '{"logit_bias": {"5": 500}}'}, "logit_bias[5]"),
     ({"sampling_parameters": '{"allowed_token_ids": [99999999]}'}, "allowed_token_ids"),
+    ({"sampling_parameters": '{"structured_outputs": {"regex": "(x"}}'},
+     "structured_outputs.regex"),
+    ({"sampling_parameters": '{"guided_decoding": {"choice": []}}'}, "structured_outputs.choice"),
 ]
 
 

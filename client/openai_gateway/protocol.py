@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from pagedbackend.config import _is_int, check
-from pagedbackend.sampling_params import SamplingParams
+from pagedbackend.sampling_params import STRUCTURED_KINDS, SamplingParams
 
 from client.openai_gateway.errors import APIError, bad_request, from_value_error
 
@@ -39,6 +39,8 @@ class GenerationRequest:
     messages: list = field(default_factory=list)
     chat_template_kwargs: dict = field(default_factory=dict)
     add_generation_prompt: bool = True
+    # engine field names in errors -> the body's names (logprobs -> top_logprobs for chat, ...)
+    renames: dict = field(default_factory=dict)
 
     @property
     def prompt_param(self) -> str:
@@ -87,6 +89,11 @@ def _common(body: dict, kind: str, default_model: str, prompts: list, logprobs: 
     params["stop"] = _stop(body.get("stop"))
     params["max_tokens"] = max_tokens
     params["logprobs"] = logprobs
+    structured, source = _structured_outputs(body)
+    if structured is not None:
+        params["structured_outputs"] = structured
+        renames = {**renames, "structured_outputs": source,
+                   **{f"structured_outputs.{k}": source for k in STRUCTURED_KINDS}}
     n = body.get("n", 1)
     if n is None:
         n = 1
@@ -109,7 +116,45 @@ def _common(body: dict, kind: str, default_model: str, prompts: list, logprobs: 
     _check(lambda: check(user is None or isinstance(user, str), "user", user, "a string"))
     return GenerationRequest(kind=kind, model=model, prompts=prompts, params=params, n=n,
                              stream=stream, include_usage=include_usage, logprobs=logprobs,
-                             priority=priority, cache_salt=salt)
+                             priority=priority, cache_salt=salt, renames=renames)
+
+
+# vLLM's older request fields for structured outputs -> the kind of SamplingParams'.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+def _structured_outputs(body: dict) -> tuple[Optional[dict], str]:
+    """(SamplingParams.structured_outputs, the body field it came from) from OpenAI's
+    response_format, vLLM's structured_outputs or its guided_* fields; (None, "") when none."""
+    found = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            found.append(({"json_object": True}, "response_format"))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request("response_format.json_schema.schema is required: a JSON "
+                                  "schema object", param="response_format")
+            found.append(({"json": schema}, "response_format"))
+        elif kind != "text":
+            raise bad_request(f"response_format.type={kind!r} is invalid: must be text, "
+                              "json_object or json_schema", param="response_format")
+    if body.get("structured_outputs") is not None:
+        found.append((body["structured_outputs"], "structured_outputs"))
+    for name, kind in _GUIDED.items():
+        if body.get(name) is not None:
+            found.append(({kind: body[name]}, name))
+    if body.get("guided_json_object") is not None:
+        found.append(({"json_object": body["guided_json_object"]}, "guided_json_object"))
+    if len(found) > 1:
+        names = ", ".join(source for _, source in found)
+        raise bad_request(f"{names}: at most one way of structuring the output may be given",
+                          param=found[1][1])
+    return found[0] if found else (None, "")
 
 
 def _object(body: Any) -> dict:

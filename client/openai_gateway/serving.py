@@ -85,8 +85,7 @@ class Generation:
         self._pending.append(first)
 
     def _error(self, e: BackendError) -> APIError:
-        renames = {"logprobs": "top_logprobs"} if self.req.kind == "chat" else {}
-        return from_triton(e.message, self.req.prompt_param, renames)
+        return from_triton(e.message, self.req.prompt_param, self.req.renames)
 
     async def events(self) -> AsyncIterator[tuple[_Choice, Chunk]]:
         """(choice, chunk) until every choice has finished; raises APIError on a backend error."""

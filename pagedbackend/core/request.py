@@ -47,6 +47,9 @@ class Request:
         self.needs_all_tokens = False
         # bad_words as token id sequences (the engine tokenizes them once)
         self.bad_words_token_ids: list[list[int]] = []
+        # structured outputs: anything with accept(token_id), `done` and fill_bitmask(mask, row)
+        # (engine/structured_outputs.GrammarState); None for free text
+        self.grammar: Any = None
         self.num_cached_tokens = -1          # prefix-cache hit on first admission; -1 = not yet
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
@@ -86,6 +89,8 @@ class Request:
             self.num_pending -= 1
         self.all_token_ids.append(token_id)
         self._output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def check_stop(self) -> Optional[RequestStatus]:
         """Token-level stop rules, applied after each new token (stop strings live upstream)."""
@@ -98,6 +103,8 @@ class Request:
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.done:     # the structure is complete
+            return RequestStatus.FINISHED_STOPPED
         if n_out >= self.max_tokens or self.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -15,6 +15,7 @@ from pagedbackend.core.kv_cache_manager import KVCacheManager
 from pagedbackend.core.request import Request, RequestStatus
 from pagedbackend.core.scheduler import Scheduler
 from pagedbackend.engine.output_processor import OutputProcessor
+from pagedbackend.engine.structured_outputs import GrammarCompiler
 from pagedbackend.engine.model_files import load_model_files
 from pagedbackend.outputs import RequestOutput
 from pagedbackend.sampling_params import SamplingParams
@@ -103,6 +104,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, info.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, info.vocab_size, info.eos_token_ids)
         self.timing = StepTiming()
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
@@ -158,6 +160,9 @@ class LLMEngine:
             raise ValueError("stop=[...] is invalid: must be empty for a model without a tokenizer")
         params.check_vocab(info.vocab_size)
         bad_words = self._bad_words_token_ids(params.bad_words)
+        grammar = params.structured_outputs
+        if grammar is not None:
+            grammar_state = self.grammars.state(grammar)      # compiles it, or names the error
         now = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
@@ -169,9 +174,12 @@ class LLMEngine:
             child = Request(child_id, ids, child_params, max_tokens, info.eos_token_ids,
                             now, priority, cache_salt, info.max_model_len)
             child.bad_words_token_ids = bad_words
-            # penalties and bad words of several tokens read every token generated so far
+            if grammar is not None:
+                child.grammar = grammar_state if i == 0 else self.grammars.state(grammar)
+            # penalties, grammars and bad words of several tokens read every token so far
             child.needs_all_tokens = (params.uses_repetition_penalty
                                       or params.uses_output_penalties
+                                      or grammar is not None
                                       or any(len(w) > 1 for w in bad_words))
             children.append(child)
         self.outputs.add(request_id, prompt_text, ids, params, children,

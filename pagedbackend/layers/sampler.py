@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -49,8 +49,8 @@ class SamplingMetadata:
     bias_rows: Optional[torch.Tensor]
     bias_ids: Optional[torch.Tensor]
     bias_values: Optional[torch.Tensor]
-    # [B, V] bool, True where the token may be sampled (allowed_token_ids; rows without a list
-    # allow all); None when no row has one.
+    # [B, V] bool, True where the token may be sampled (allowed_token_ids, a grammar's next
+    # tokens; rows with neither allow all); None when no row has either.
     allowed_mask: Optional[torch.Tensor]
     num_logprobs: list[Optional[int]]         # host copy of each row's SamplingParams.logprobs
     max_num_logprobs: Optional[int]           # None: no row wants logprobs
@@ -65,13 +65,15 @@ class SamplingMetadata:
               generators: Sequence[Optional[torch.Generator]],
               min_tokens_stop_ids: Sequence[Sequence[int]], vocab_size: int,
               device: torch.device,
-              bad_words: Optional[Sequence[Sequence[Sequence[int]]]] = None
-              ) -> "SamplingMetadata":
+              bad_words: Optional[Sequence[Sequence[Sequence[int]]]] = None,
+              grammars: Optional[Sequence[Any]] = None) -> "SamplingMetadata":
         """bad_words: per row, its bad words as token id sequences (Request.bad_words_token_ids);
-        None when no row has any."""
+        grammars: per row, a GrammarState (Request.grammar) or None. Either is None when no row
+        has one."""
         n, V = len(params), vocab_size
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators)
-                == len(min_tokens_stop_ids) == n) or bad_words is not None and len(bad_words) != n:
+                == len(min_tokens_stop_ids) == n) or any(
+                    x is not None and len(x) != n for x in (bad_words, grammars)):
             raise ValueError("SamplingMetadata.build: every per-row list must have one entry "
                              f"per row ({n})")
 
@@ -143,6 +145,16 @@ class SamplingMetadata:
             pairs = [(i, t) for i, ids in lists for t in ids if 0 <= t < V]
             allowed[_to_device([i for i, _ in pairs], torch.long, device),
                     _to_device([t for _, t in pairs], torch.long, device)] = True
+        rows_g = [i for i, g in enumerate(grammars or ()) if g is not None]
+        if rows_g:
+            # the grammars' next tokens: filled on the host (32 tokens per int32), unpacked there
+            bitmask = torch.full((len(rows_g), (V + 31) // 32), -1, dtype=torch.int32)
+            for j, i in enumerate(rows_g):
+                grammars[i].fill_bitmask(bitmask, j)
+            if allowed is None:
+                allowed = torch.ones(n, V, dtype=torch.bool, device=device)
+            rows_t = _to_device(rows_g, torch.long, device)
+            allowed[rows_t] &= unpack_bitmask(to_device_async(bitmask, device), V)
 
         num_logprobs = [p.logprobs for p in params]
         wanted = [k for k in num_logprobs if k is not None]
@@ -250,6 +262,13 @@ def _to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
 
 def _is_greedy(p: SamplingParams) -> bool:
     return p.greedy or p.temperature < _GREEDY_EPS
+
+
+def unpack_bitmask(bitmask: torch.Tensor, V: int) -> torch.Tensor:
+    """int32 [R, ceil(V / 32)] (bit b of word w: token 32 w + b) -> bool [R, V]."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :V].bool()
 
 
 def _bad_word_bans(words: Sequence[Sequence[int]], output: Sequence[int], V: int) -> list[int]:

@@ -44,6 +44,8 @@ FLAG_TENSORS = {
     "priority": ("i", 0),
 }
 SAMPLING_FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(SamplingParams)}
+# Older vLLM names of SamplingParams fields, accepted in sampling_parameters and as parameters.
+FIELD_ALIASES = {"guided_decoding": "structured_outputs"}
 # A Triton request is one sequence; n > 1 would interleave several streams in one response stream.
 SERVING_FIXED = {"n": 1}
 
@@ -72,6 +74,7 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]],
     cache_salt: Optional[str] = None
 
     for key, value in (parameters or {}).items():
+        key = FIELD_ALIASES.get(key, key)
         if key in SAMPLING_FIELD_TYPES:
             fields[key] = _coerce_field(key, value, f"parameter {key}")
         elif key in SAMPLING_TENSORS:
@@ -85,6 +88,7 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]],
 
     if "sampling_parameters" in inputs:
         for key, value in _json_object(inputs["sampling_parameters"]).items():
+            key = FIELD_ALIASES.get(key, key)
             if key not in SAMPLING_FIELD_TYPES:
                 raise RequestError(f"sampling_parameters.{key} is not a known field: must be one "
                                    f"of {', '.join(sorted(SAMPLING_FIELD_TYPES))}")

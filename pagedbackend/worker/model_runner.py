@@ -264,7 +264,9 @@ class ModelRunner:
             min_tokens_stop_ids=[self._min_tokens_stop_ids(r) for r in reqs],
             vocab_size=logits.shape[-1], device=self.device,
             bad_words=([r.bad_words_token_ids for r in reqs]
-                       if any(r.bad_words_token_ids for r in reqs) else None))
+                       if any(r.bad_words_token_ids for r in reqs) else None),
+            grammars=([r.grammar for r in reqs]
+                      if any(r.grammar is not None for r in reqs) else None))
         out = self.sampler(logits, smeta)
         sampled = out.sampled_token_ids
         self.prev_sampled = sampled
