@@ -207,6 +207,43 @@ def test_response_format_and_guided_choice(client):
     assert r.choices[0].text in ("Paris", "Rome")
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_forced_tool_calls_sdk_and_langchain(client, gateway):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model="smollm2", messages=ask, temperature=0, max_tokens=40, tools=[WEATHER_TOOL])
+    named = client.chat.completions.create(
+        **kw, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    streamed = [c.choices[0].delta.tool_calls[0] for c in client.chat.completions.create(
+        **kw, stream=True, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        if c.choices and c.choices[0].delta.tool_calls]
+    assert streamed[0].function.name == "get_weather"
+    assert "".join(t.function.arguments for t in streamed) == call.function.arguments
+    required = client.chat.completions.create(**kw, tool_choice="required")
+    assert required.choices[0].finish_reason == "tool_calls"
+    assert {c.function.name for c in required.choices[0].message.tool_calls} == {"get_weather"}
+
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    llm = ChatOpenAI(base_url=gateway["base"] + "/v1", api_key=KEY, model="smollm2",
+                     temperature=0, max_tokens=60)
+    for method in ("function_calling", "json_schema"):
+        city = llm.with_structured_output(City, method=method).invoke(QUESTION)
+        assert isinstance(city, City) and city.name, method
+
+
 def test_logprobs_chat_and_completions(client):
     chat = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0,
                                           max_tokens=5, logprobs=True, top_logprobs=3)

@@ -27,6 +27,7 @@ class FakeTokenizer:
         return 1000
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kw):
+        self.template_kwargs = kw
         text = "".join(f"<{m['role']}>{m['content']}</s>" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
@@ -548,6 +549,92 @@ def test_structured_output_fields_map_to_one_spec(client, fake):
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
 ])
 def test_bad_structured_output_fields_are_400(client, fake, extra, param):
+    r = client.post("/v1/chat/completions", json={**CHAT, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert not fake.requests
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_named_tool_choice_is_one_call_with_the_schema_s_arguments(fake):
+    tok = FakeTokenizer()
+    app = create_app(fake, ["smol"], renderer=PromptRenderer(tok))
+    client = TestClient(app)
+    fake.answer = '{"city": "Paris"}'
+    body = {**CHAT, "tools": [WEATHER, TIME], "tool_choice": NAMED}
+    r = client.post("/v1/chat/completions", json=body).json()
+    assert fake.requests[0].params["structured_outputs"] == {
+        "json": WEATHER["function"]["parameters"]}
+    assert tok.template_kwargs["tools"] == [WEATHER, TIME]
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    # streamed: the id and name first, then the arguments in pieces
+    cs = chunks(client.post("/v1/chat/completions", json={**body, "stream": True}))
+    calls = [c["choices"][0]["delta"]["tool_calls"][0] for c in cs
+             if c["choices"] and "tool_calls" in c["choices"][0]["delta"]]
+    assert len(calls) == 2 and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"]["name"] == "get_weather" and "id" not in calls[1]
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
+    assert cs[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_required_tool_choice_returns_the_calls_with_finish_reason_tool_calls(client, fake):
+    fake.answer = ('[{"name": "get_time", "parameters": {}}, '
+                   '{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    body = {**CHAT, "tools": [WEATHER, TIME], "tool_choice": "required"}
+    r = client.post("/v1/chat/completions", json=body).json()
+    schema = fake.requests[0].params["structured_outputs"]["json"]
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    assert [a["properties"]["name"]["enum"] for a in schema["items"]["anyOf"]] == \
+        [["get_weather"], ["get_time"]]
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in choice["message"]["tool_calls"]] == [("get_time", {}),
+                                                          ("get_weather", {"city": "Oslo"})]
+    cs = chunks(client.post("/v1/chat/completions", json={**body, "stream": True}))
+    deltas = [c["choices"][0]["delta"] for c in cs if c["choices"]]
+    with_calls = [d for d in deltas if "tool_calls" in d]
+    assert len(with_calls) == 1 and [c["index"] for c in with_calls[0]["tool_calls"]] == [0, 1]
+    assert not any(d.get("content") for d in deltas)
+    assert cs[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # cut by max_tokens before the JSON closed: the text, as it is
+    r = client.post("/v1/chat/completions", json={**body, "max_tokens": 2}).json()
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["choices"][0]["message"]["content"] == '[{"name": "get_time",'
+
+
+def test_tool_choice_none_is_plain_text_with_the_tools_in_the_prompt(client, fake):
+    r = client.post("/v1/chat/completions",
+                    json={**CHAT, "tools": [WEATHER], "tool_choice": "none"}).json()
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": ANSWER}
+    assert "structured_outputs" not in fake.requests[0].params
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [WEATHER]}, "tool_choice"),                           # auto, by default
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": NAMED, "response_format": {"type": "json_object"}},
+     "response_format"),
+])
+def test_bad_tool_requests_are_400(client, fake, extra, param):
     r = client.post("/v1/chat/completions", json={**CHAT, **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param

@@ -13,6 +13,7 @@ from pagedbackend.config import _is_int, check
 from pagedbackend.sampling_params import STRUCTURED_KINDS, SamplingParams
 
 from client.openai_gateway.errors import APIError, bad_request, from_value_error
+from client.openai_gateway.tools import ToolChoice, parse_tools
 
 Prompt = Union[str, list]          # text, or token ids the gateway decodes
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -41,6 +42,7 @@ class GenerationRequest:
     add_generation_prompt: bool = True
     # engine field names in errors -> the body's names (logprobs -> top_logprobs for chat, ...)
     renames: dict = field(default_factory=dict)
+    tools: ToolChoice = field(default_factory=ToolChoice)     # chat's tools and tool_choice
 
     @property
     def prompt_param(self) -> str:
@@ -65,8 +67,19 @@ def parse_chat(body: Any, default_model: str) -> GenerationRequest:
     if top is not None and not want:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     logprobs = (0 if top is None else top) if want else None
+    tools = parse_tools(body)
+    forced = tools.structured_outputs()
+    if forced is not None:
+        given = [k for k in ("response_format", "structured_outputs", *_GUIDED) if body.get(k)]
+        if given:
+            raise bad_request(f"{given[0]} cannot be combined with tool_choice={tools.mode}",
+                              param=given[0])
+        body = {**body, "structured_outputs": forced}
     req = _common(body, "chat", default_model, [], logprobs,
                   renames={"logprobs": "top_logprobs"}, default_max_tokens=None)
+    if forced is not None:      # a grammar error is the tools' (e.g. a bad parameters schema)
+        req.renames.update({k: "tools" for k in req.renames if k.startswith("structured")})
+    req.tools = tools
     req.messages = messages
     req.add_generation_prompt = _flag(body, "add_generation_prompt", True)
     kwargs = body.get("chat_template_kwargs") or {}

@@ -135,8 +135,9 @@ class Generation:
     def _final_choice(self, c: _Choice) -> dict:
         text = c.prefix + "".join(c.parts)
         if self.req.kind == "chat":
-            return {"index": c.index, "message": {"role": "assistant", "content": text},
-                    "logprobs": self._logprobs(c, c.logprobs), "finish_reason": c.finish_reason}
+            message, finish = self.req.tools.message(text, c.finish_reason)
+            return {"index": c.index, "message": message,
+                    "logprobs": self._logprobs(c, c.logprobs), "finish_reason": finish}
         return {"index": c.index, "text": text, "logprobs": self._logprobs(c, c.logprobs),
                 "finish_reason": c.finish_reason}
 
@@ -150,13 +151,19 @@ class Generation:
                     yield self._chunk(c, {"role": "assistant", "content": ""})
                 elif c.prefix:
                     yield self._chunk(c, c.prefix)
+            tools = self.req.tools
             async for c, chunk in self.events():
-                if chunk.text or chunk.logprobs:
-                    delta = {"content": chunk.text} if self.req.kind == "chat" else chunk.text
-                    yield self._chunk(c, delta, logprobs=chunk.logprobs)
+                if tools.mode == "required":        # the calls go out whole, once complete
+                    c.parts.append(chunk.text)
+                    c.logprobs.extend(chunk.logprobs or [])
+                elif chunk.text or chunk.logprobs:
+                    yield self._chunk(c, self._delta(c, chunk.text), logprobs=chunk.logprobs)
                 if chunk.finish_reason:
-                    yield self._chunk(c, {} if self.req.kind == "chat" else "",
-                                      finish=chunk.finish_reason)
+                    finish = chunk.finish_reason
+                    if tools.mode == "required":
+                        message, finish = tools.message("".join(c.parts), finish)
+                        yield self._chunk(c, _indexed(message), logprobs=c.logprobs)
+                    yield self._chunk(c, {} if self.req.kind == "chat" else "", finish=finish)
             if self.req.include_usage:
                 yield _sse({**self._head(), "choices": [], "usage": self.usage()})
         except APIError as e:
@@ -164,6 +171,20 @@ class Generation:
         finally:
             await self.close()
         yield "data: [DONE]\n\n"
+
+    def _delta(self, c: _Choice, text: str):
+        """A streamed piece of text: completions' text, chat's content, or a named tool call's
+        arguments (its id and name go first, with the first piece)."""
+        if self.req.kind != "chat":
+            return text
+        tools = self.req.tools
+        if tools.mode != "named":
+            return {"content": text}
+        head = c.index not in tools.call_ids
+        delta = tools.stream_head(c.index) if head else {"tool_calls": [{"index": 0,
+                                                                        "function": {}}]}
+        delta["tool_calls"][0]["function"]["arguments"] = text
+        return delta
 
     def _head(self) -> dict:
         obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
@@ -197,6 +218,14 @@ class Generation:
                 "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [dict(e.top[:self.req.logprobs]) for e in entries],
                 "text_offset": offsets}
+
+
+def _indexed(message: dict) -> dict:
+    """A finished message as a stream delta: tool calls carry their index."""
+    delta = {k: v for k, v in message.items() if k != "role"}
+    if "tool_calls" in delta:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
+    return delta
 
 
 def _sse(obj: dict) -> str:
