@@ -107,6 +107,21 @@ def test_sdk_sync_chat_and_completion_say_paris(client, tokenizer):
     assert comp.choices[0].text == chat.choices[0].message.content
 
 
+def test_tokenize_counts_what_the_engine_counts(gateway, client, tokenizer):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    chat = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0,
+                                          max_tokens=8)
+    r = httpx.post(gateway["base"] + "/tokenize", json={"model": "smollm2", "messages": MSG},
+                   headers=headers).json()
+    assert r["count"] == len(r["tokens"]) == chat.usage.prompt_tokens
+    back = httpx.post(gateway["base"] + "/detokenize", json={"tokens": r["tokens"]},
+                      headers=headers).json()["prompt"]
+    assert back == chat_prompt(tokenizer)
+    r = httpx.post(gateway["base"] + "/tokenize", json={"prompt": "Hello world"},
+                   headers=headers).json()
+    assert r["tokens"] == tokenizer("Hello world")["input_ids"]
+
+
 def test_sdk_sync_streaming_equals_non_streaming(client):
     full = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0,
                                           max_tokens=30)

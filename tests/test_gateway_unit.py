@@ -34,6 +34,9 @@ class FakeTokenizer:
     def decode(self, ids, **kw):
         return " ".join(f"t{i}" for i in ids)
 
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [len(w) for w in text.split()]
+
 
 class FakeBackend:
     """Answers ANSWER (or `self.answer`) word by word; `self.fail` raises a Triton error text,
@@ -639,3 +642,23 @@ def test_bad_tool_requests_are_400(client, fake, extra, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert not fake.requests
+
+
+def test_tokenize_and_detokenize(client):
+    r = client.post("/tokenize", json={"model": "smol", "prompt": "ab cde f"})
+    assert r.json() == {"count": 4, "tokens": [1, 2, 3, 1]}
+    r = client.post("/tokenize", json={"prompt": "ab cde", "add_special_tokens": False})
+    assert r.json()["tokens"] == [2, 3]
+    # chat: the template's text, no special tokens added on top
+    r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi there"}]})
+    text = FakeTokenizer().apply_chat_template([{"role": "user", "content": "hi there"}])
+    assert r.json()["tokens"] == [len(w) for w in text.split()]
+    assert client.post("/detokenize", json={"tokens": [5, 7]}).json() == {"prompt": "t5 t7"}
+    for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"prompt": "x", "add_special_tokens": "no"},
+                               "add_special_tokens"),
+                              ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+                              ("/detokenize", {"tokens": "12"}, "tokens"),
+                              ("/tokenize", {"model": "gpt-9", "prompt": "x"}, "model")):
+        r = client.post(path, json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text

@@ -96,6 +96,27 @@ def create_app(backend: Backend, served_names: list[str], api_key: Optional[str]
         await until_disconnect(request, gen.start(), gen)
         return SSEResponse(gen)
 
+    def check_model(body: dict) -> None:
+        if body.get("model") is not None and body["model"] not in served_names:
+            raise unknown_model(str(body["model"]))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await read_json(request, max_body_bytes)
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        check_model(body)
+        ids = renderer.tokenize(body, served_names[0])
+        return {"count": len(ids), "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await read_json(request, max_body_bytes)
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        check_model(body)
+        return {"prompt": renderer.detokenize(body.get("tokens"))}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await generate(request, parse_completion)

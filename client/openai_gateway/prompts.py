@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from client.openai_gateway.errors import bad_request
-from client.openai_gateway.protocol import GenerationRequest
+from client.openai_gateway.protocol import GenerationRequest, parse_chat
 
 
 class PromptRenderer:
@@ -39,6 +39,32 @@ class PromptRenderer:
         except Exception as e:  # noqa: BLE001 - jinja raises for conversations it refuses
             raise bad_request(f"messages could not be rendered with the chat template: {e}",
                               param="messages") from None
+
+    def tokenize(self, body: dict, default_model: str) -> list[int]:
+        """vLLM's /tokenize: the ids of `prompt` (special tokens added unless
+        add_special_tokens=false) or of `messages` rendered by the chat template (none added,
+        the template has them)."""
+        if body.get("messages") is not None:
+            req = parse_chat({**body, "tool_choice": body.get("tool_choice", "none")},
+                             default_model)
+            text, special = self._chat(req), False
+        else:
+            text, special = body.get("prompt"), True
+            if not isinstance(text, str):
+                raise bad_request("prompt (a string) or messages is required", param="prompt")
+        special = body.get("add_special_tokens", special)
+        if not isinstance(special, bool):
+            raise bad_request(f"add_special_tokens={special!r} is invalid: must be true or false",
+                              param="add_special_tokens")
+        return list(self._need("prompt").encode(text, add_special_tokens=special))
+
+    def detokenize(self, ids: Any) -> str:
+        """vLLM's /detokenize: the text of token ids, special tokens kept."""
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                and t >= 0 for t in ids):
+            raise bad_request("tokens is invalid: must be a list of token ids >= 0",
+                              param="tokens")
+        return self._decode(ids) if ids else ""
 
     def _decode(self, ids: list) -> str:
         tok = self._need("prompt")
