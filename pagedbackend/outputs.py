@@ -37,3 +37,6 @@ class RequestOutput:
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} (the prompt's token
+    # first, then the top-k), None for the first token; None when not asked for
+    prompt_logprobs: Optional[Logprobs] = None

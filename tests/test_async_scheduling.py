@@ -1,5 +1,6 @@
 """Async scheduling (step N+1 launched before step N's ids reach the host) gives exactly what the
-synchronous engine gives: greedy and seeded tokens, stops, aborts, logprobs, penalties, blocks.
+synchronous engine gives: greedy and seeded tokens, stops, aborts, logprobs (of prompts too),
+penalties, blocks.
 
 On the CPU the device work is synchronous, but the engine's bookkeeping is the one the GPU runs:
 pending tokens, rows whose input id is read from the previous step's sampled ids on the device,
@@ -100,10 +101,14 @@ def test_seeded_sampling_min_tokens_penalties_and_logprobs_equal(tiny_dir):
         SamplingParams(temperature=0.9, seed=9, max_tokens=12, presence_penalty=0.5,
                        frequency_penalty=0.5, ignore_eos=True),
         SamplingParams(n=3, temperature=1.0, seed=10, max_tokens=9, ignore_eos=True,
-                       logprobs=2),
+                       logprobs=2, prompt_logprobs=2),
     ]
-    (_, sync), (_, asyn) = both(tiny_dir, batch, params, num_kv_blocks=128)
+    (_, sync), (_, asyn) = both(tiny_dir, batch, params, num_kv_blocks=128,
+                                max_num_batched_tokens=16)
     assert tokens(asyn) == tokens(sync)
+    assert len(asyn[5].prompt_logprobs) == len(batch[5]["prompt_token_ids"])
+    assert [sorted(e) if e else e for e in asyn[5].prompt_logprobs] == \
+        [sorted(e) if e else e for e in sync[5].prompt_logprobs]
     # min_tokens holds the stop ids back for exactly 6 tokens, then one of them stops it
     mt = asyn[2].outputs[0]
     assert len(mt.token_ids) >= 6 and mt.finish_reason in ("stop", "length")

@@ -69,6 +69,39 @@ def test_greedy_matches_transformers_under_pressure(tiny):
             o.outputs[0].token_ids
 
 
+def test_prompt_logprobs_match_transformers_under_pressure(tiny):
+    """Every prompt token's logprob and top-k as transformers computes them, through chunked
+    prefill, preemption and a prefix cache that holds the shared prefixes (which these
+    requests must not read: their positions are computed)."""
+    path, hf = tiny
+    prompts = mixed_prompts(2)
+    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_tokens=24,
+              max_num_seqs=8, max_model_len=96)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params = [plain.clone(prompt_logprobs=3) if i % 2 == 0 else plain
+              for i in range(len(prompts))]
+    params[2] = plain.clone(prompt_logprobs=0, n=2, temperature=1.0, seed=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert llm.engine.stats().num_preemptions > 0 and llm.engine.stats().prefix_cache_hits > 0
+    for p, sp, o in zip(prompts, params, outs):
+        if sp.prompt_logprobs is None:
+            assert o.prompt_logprobs is None
+            continue
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), -1)
+        assert len(o.prompt_logprobs) == len(p) and o.prompt_logprobs[0] is None
+        for j in range(1, len(p)):
+            entry = o.prompt_logprobs[j]
+            assert next(iter(entry)) == p[j]                     # the prompt's token first
+            for t, v in entry.items():                          # each its own logprob
+                assert v == pytest.approx(ref[j - 1, t].item(), abs=1e-4)
+            # ... and the entry holds the position's top k
+            k = sp.prompt_logprobs
+            assert len(entry) in (k, k + 1) if k else len(entry) == 1
+            best = sorted(entry.values(), reverse=True)[:k]
+            assert best == pytest.approx(ref[j - 1].topk(k).values.tolist(), abs=1e-4)
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama_api")

@@ -66,12 +66,22 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp2_greedy_matches_tp1(checkpoints, arch):
     prompts = mixed_prompts()
-    want = token_ids(LLM(checkpoints[arch], **ENGINE), prompts)
+    one = LLM(checkpoints[arch], **ENGINE)
+    want = token_ids(one, prompts)
     llm = LLM(checkpoints[arch], tensor_parallel_size=2, **ENGINE)
     try:
         assert llm.engine.info.num_kv_blocks == ENGINE["num_kv_blocks"]
         assert token_ids(llm, prompts) == want
         assert llm.engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
+        # prompt logprobs: every rank runs the LM head at the prompt positions (collectives)
+        params = GREEDY.clone(max_tokens=2, prompt_logprobs=2)
+        got = [o.prompt_logprobs for o in llm.generate(prompts[:3], params)]
+        ref = [o.prompt_logprobs for o in one.generate(prompts[:3], params)]
+        assert [len(g) for g in got] == [len(p["prompt_token_ids"]) for p in prompts[:3]]
+        for g, r in zip(got, ref):
+            for eg, er in zip(g[1:], r[1:]):
+                assert sorted(eg) == sorted(er)
+                assert all(abs(eg[t] - er[t]) < 1e-4 for t in eg)
     finally:
         llm.engine.shutdown()
 

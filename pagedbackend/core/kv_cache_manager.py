@@ -42,7 +42,7 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks, never covering the last token (it must be run)."""
-        if not self.enable_caching:
+        if not self.enable_caching or req.skip_prefix_cache:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._update_hashes(req, max_blocks * self.block_size)

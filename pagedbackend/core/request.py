@@ -50,6 +50,9 @@ class Request:
         # structured outputs: anything with accept(token_id), `done` and fill_bitmask(mask, row)
         # (engine/structured_outputs.GrammarState); None for free text
         self.grammar: Any = None
+        # prompt_logprobs: the entries so far, one per prompt token (the first is None, as
+        # nothing predicts it); None when not asked for
+        self.prompt_logprobs: Optional[list] = None
         self.num_cached_tokens = -1          # prefix-cache hit on first admission; -1 = not yet
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
@@ -69,6 +72,13 @@ class Request:
     def output_token_ids(self) -> list[int]:
         """The live list of generated ids (no copy: it grows while the request runs)."""
         return self._output_token_ids
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """Prompt logprobs still to compute need every prompt position run, not read from
+        cached blocks."""
+        return self.prompt_logprobs is not None \
+            and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -174,12 +174,15 @@ class LLMEngine:
             child = Request(child_id, ids, child_params, max_tokens, info.eos_token_ids,
                             now, priority, cache_salt, info.max_model_len)
             child.bad_words_token_ids = bad_words
+            if params.prompt_logprobs is not None and i == 0:   # one list for all n children
+                child.prompt_logprobs = [None]
             if grammar is not None:
                 child.grammar = grammar_state if i == 0 else self.grammars.state(grammar)
             # penalties, grammars and bad words of several tokens read every token so far
             child.needs_all_tokens = (params.uses_repetition_penalty
                                       or params.uses_output_penalties
                                       or grammar is not None
+                                      or child.prompt_logprobs is not None
                                       or any(len(w) > 1 for w in bad_words))
             children.append(child)
         self.outputs.add(request_id, prompt_text, ids, params, children,
@@ -273,6 +276,13 @@ class LLMEngine:
     def _land(self, sched, launched) -> None:
         """Take a launched step's sampled ids into the requests and their outputs."""
         result = self.runner.finish(launched)
+        if result.prompt_logprobs:
+            by_id = {s.request.request_id: s.request for s in sched.scheduled}
+            for rid, (first, entries) in result.prompt_logprobs.items():
+                got = by_id[rid].prompt_logprobs
+                # entries for prompt tokens first, first + 1, ...; a recomputed (preempted)
+                # prefix repeats ones already kept
+                got.extend(entries[max(0, len(got) - first):])
         progressed, finished = self.scheduler.update_from_output(sched, result.sampled)
         stopped = self.outputs.on_tokens(progressed, result.logprobs, time.monotonic())
         if stopped:

@@ -160,7 +160,9 @@ class OutputProcessor:
                 finished=finished, arrival_time=g.arrival_time,
                 first_scheduled_time=first.first_scheduled_time,
                 first_token_time=g.first_token_time,
-                num_cached_tokens=max(0, first.num_cached_tokens)))
+                num_cached_tokens=max(0, first.num_cached_tokens),
+                prompt_logprobs=(first.prompt_logprobs if first.prompt_logprobs is not None
+                                 and not first.skip_prefix_cache else None)))
             if finished:
                 del self.groups[rid]
                 for s in g.seqs:

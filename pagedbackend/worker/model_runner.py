@@ -17,11 +17,12 @@ import torch
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.scheduler import SchedulerOutput
 from pagedbackend.layers.attention import AttentionMetadata
-from pagedbackend.layers.sampler import Sampler, SamplingMetadata, argmax
+from pagedbackend.layers.sampler import Sampler, SamplingMetadata, argmax, to_device_async
 from pagedbackend.models import build_model, load_weights
 from pagedbackend.worker import cuda_graph
 from pagedbackend.worker.cuda_graph import DecodeGraphs, PrefillGraphs
 from pagedbackend.worker.kv_sizing import kv_bytes_per_block, num_blocks_for_device
+from pagedbackend.worker.prompt_logprobs import prompt_logprobs
 from pagedbackend.worker.step_inputs import (HostInputs, StepInputs, host_inputs, upload,
                                              warmup_inputs)
 
@@ -33,6 +34,8 @@ class RunnerResult:
     sampled: dict[str, int]
     # request id -> (sampled token logprob, {token id: logprob} incl. the top-k)
     logprobs: dict[str, tuple[float, dict[int, float]]] = field(default_factory=dict)
+    # request id -> (prompt index of the first entry, prompt logprob entries)
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
 
 
 @dataclass
@@ -43,6 +46,7 @@ class Launched:
     done: Any = None                    # CUDA event recorded after the copy
     start: Any = None                   # CUDA timing event before the step's first upload
     logprobs: Any = None
+    prompt_logprobs: Any = None         # PromptLogprobs, on the device
 
 
 def make_attn_backend(device: torch.device):
@@ -93,6 +97,7 @@ class ModelRunner:
         self.path_steps = new_path_steps()   # steps by how forward_logits ran them
         self.prev_sampled: Optional[torch.Tensor] = None    # the last launch's sampled ids
         self.prev_rows: dict[str, int] = {}                 # request id -> row in them
+        self.prompt_logits: Optional[torch.Tensor] = None   # this step's, for prompt_logprobs
 
     # -- KV cache ------------------------------------------------------------------------
     def init_kv_cache(self, max_num_batched_tokens: int, max_model_len: int,
@@ -207,6 +212,9 @@ class ModelRunner:
         sequence's prefill of up to 512 tokens, else eager (graphs=False: always eager).
         Tensor-parallel workers call this alone (they take part in the collectives, not in
         sampling)."""
+        # the graphs compute only the sampling rows' logits, not prompt logprobs (a one-token
+        # chunk of a prompt can make a step of single tokens)
+        graphs = graphs and not len(h.plp_idx)
         if graphs and self.graphs is not None and h.decode_only \
                 and self.graphs.bucket(len(h.tokens)):
             self.path_steps["decode_graph"] += 1
@@ -225,6 +233,10 @@ class ModelRunner:
         self.path_steps["mixed_eager" if mixed else "eager"] += 1
         inputs = self.to_device(h)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        if len(h.plp_idx):
+            # every rank: the LM head's collectives; rank 0 keeps them (_sample_async)
+            idx = to_device_async(torch.from_numpy(h.plp_idx), hidden.device)
+            self.prompt_logits = self.model.compute_logits(hidden[idx])
         if not h.sample_rows:
             return None
         return self.model.compute_logits(hidden[inputs.logits_indices])
@@ -252,9 +264,12 @@ class ModelRunner:
 
     def _sample_async(self, sched: SchedulerOutput, h: HostInputs,
                       logits: Optional[torch.Tensor], start: Any = None) -> Launched:
+        plp, self.prompt_logits = self.prompt_logits, None
+        if plp is not None:
+            plp = prompt_logprobs(plp, h, sched.scheduled)
         if logits is None:
             self.prev_sampled, self.prev_rows = None, {}
-            return Launched([], start=start)
+            return Launched([], start=start, prompt_logprobs=plp)
         reqs = [sched.scheduled[i].request for i in h.sample_rows]
         smeta = SamplingMetadata.build(
             params=[r.sampling_params for r in reqs],
@@ -272,17 +287,18 @@ class ModelRunner:
         self.prev_sampled = sampled
         self.prev_rows = {r.request_id: i for i, r in enumerate(reqs)}
         if self.device.type != "cuda":
-            return Launched(reqs, sampled, logprobs=out.logprobs)
+            return Launched(reqs, sampled, logprobs=out.logprobs, prompt_logprobs=plp)
         ids = torch.empty(len(reqs), dtype=torch.long, pin_memory=True)
         ids.copy_(sampled, non_blocking=True)
         done = torch.cuda.Event(enable_timing=start is not None)
         done.record()
-        return Launched(reqs, ids, done, start, out.logprobs)
+        return Launched(reqs, ids, done, start, out.logprobs, plp)
 
     def finish(self, launched: Launched) -> RunnerResult:
         """Wait for a launched step's sampled ids (the step's one device->host sync)."""
         if not launched.reqs:
-            return RunnerResult({})
+            return RunnerResult({}, prompt_logprobs=launched.prompt_logprobs.tolists()
+                                if launched.prompt_logprobs is not None else {})
         t0 = time.perf_counter()
         if launched.done is not None:
             launched.done.synchronize()
@@ -292,6 +308,8 @@ class ModelRunner:
             self.gpu_busy_s += launched.start.elapsed_time(launched.done) / 1e3
         reqs = launched.reqs
         result = RunnerResult({r.request_id: t for r, t in zip(reqs, ids)})
+        if launched.prompt_logprobs is not None:
+            result.prompt_logprobs = launched.prompt_logprobs.tolists()
         if launched.logprobs is not None:
             for r, tok, entry in zip(reqs, ids, launched.logprobs.tolists()):
                 if entry is not None:

@@ -19,10 +19,13 @@ class HostInputs:
     """A step's flattened inputs as numpy arrays (built on the host, copied once).
 
     ph_dst/ph_src: token positions whose id is still in flight (async scheduling): the
-    previous step's sampled id of row ph_src[i] goes to token ph_dst[i], on the device."""
+    previous step's sampled id of row ph_src[i] goes to token ph_dst[i], on the device.
+    plp_idx/plp_target/plp_row: prompt logprobs to compute: the logits of token plp_idx[i]
+    score prompt token plp_target[i] for row plp_row[i]; plp_first[row] is the prompt index of
+    that row's first target."""
 
     def __init__(self, tokens, positions, q_lens, starts, table, sample_rows, block_size,
-                 ph_dst=None, ph_src=None):
+                 ph_dst=None, ph_src=None, plp=None):
         self.tokens, self.positions, self.q_lens, self.table = tokens, positions, q_lens, table
         self.sample_rows = sample_rows
         self.cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -34,6 +37,8 @@ class HostInputs:
         empty = np.zeros(0, np.int64)
         self.ph_dst = empty if ph_dst is None else ph_dst
         self.ph_src = empty if ph_src is None else ph_src
+        self.plp_idx, self.plp_target, self.plp_row, self.plp_first = \
+            plp if plp is not None else (empty, empty, empty, {})
 
 
 @dataclass
@@ -75,7 +80,28 @@ def host_inputs(rows: list, block_size: int, prev_rows: dict[str, int]) -> HostI
     sample_rows = [i for i, s in enumerate(rows) if s.samples]
     return HostInputs(np.array(tokens, np.int64), positions, q_lens, starts, table,
                       sample_rows, block_size, np.array(ph_dst, np.int64),
-                      np.array(ph_src, np.int64))
+                      np.array(ph_src, np.int64), _prompt_logprob_positions(rows, cu))
+
+
+def _prompt_logprob_positions(rows: list, cu) -> tuple:
+    """(token index, target prompt token, row) of each prompt logprob this step computes, and
+    each such row's first target: position p scores prompt token p + 1, for the positions
+    computed now whose target has no entry yet (a recomputed prefix repeats none)."""
+    idx, target, row, first = [], [], [], {}
+    for i, s in enumerate(rows):
+        got = s.request.prompt_logprobs
+        if got is None:
+            continue
+        prompt = s.request.prompt_token_ids
+        lo = max(s.start, len(got) - 1)
+        hi = min(s.start + s.num_new_tokens, len(prompt) - 1)
+        if lo >= hi:
+            continue
+        first[i] = lo + 1
+        idx.extend(range(int(cu[i]) + lo - s.start, int(cu[i]) + hi - s.start))
+        target.extend(prompt[lo + 1:hi + 1])
+        row.extend([i] * (hi - lo))
+    return np.array(idx, np.int64), np.array(target, np.int64), np.array(row, np.int64), first
 
 
 def upload(arrays: list, device: torch.device) -> list[torch.Tensor]:
