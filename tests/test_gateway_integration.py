@@ -259,6 +259,19 @@ def test_forced_tool_calls_sdk_and_langchain(client, gateway):
         assert isinstance(city, City) and city.name, method
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, tokenizer):
+    """lm-eval's loglikelihood request: echo, logprobs, one token."""
+    prompt = "The capital of France is"
+    r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0,
+                                  echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    n_prompt = len(tokenizer(prompt)["input_ids"])
+    assert len(lp.tokens) == n_prompt + 1 == r.usage.prompt_tokens + 1
+    assert "".join(lp.tokens) == r.choices[0].text and r.choices[0].text.startswith(prompt)
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+
+
 def test_logprobs_chat_and_completions(client):
     chat = client.chat.completions.create(model="smollm2", messages=MSG, temperature=0,
                                           max_tokens=5, logprobs=True, top_logprobs=3)

@@ -77,16 +77,24 @@ class FakeBackend:
                 return [TokenLogprob(p, -0.5, [(p, -0.5), ("x", -1.5)][:max(lp, 0) or 0])
                         for p in ps]
 
+            prompt_lp = None
+            if req.params.get("prompt_logprobs") is not None:    # the prompt's words, -1 each
+                words_in = req.prompt.split(" ")
+                prompt_lp = [TokenLogprob(w if i == 0 else " " + w, None if i == 0 else -1.0,
+                                          [] if i == 0 else [(" " + w, -1.0)])
+                             for i, w in enumerate(words_in)]
             if not req.stream:
                 await asyncio.sleep(self.delay * len(pieces))
-                yield Chunk("".join(pieces), finish, n_in, len(pieces), logprobs(pieces))
+                yield Chunk("".join(pieces), finish, n_in, len(pieces), logprobs(pieces),
+                            prompt_lp)
             else:
                 for i, p in enumerate(pieces):
                     await asyncio.sleep(self.delay)
                     if self.fail_after is not None and i == self.fail_after:
                         raise BackendError("in ensemble 'ensemble', engine loop died")
                     last = i == len(pieces) - 1
-                    yield Chunk(p, finish if last else None, n_in, i + 1, logprobs([p]))
+                    yield Chunk(p, finish if last else None, n_in, i + 1, logprobs([p]),
+                                prompt_lp if i == 0 else None)
             done = True
         finally:
             (self.finished if done else self.closed).append(req.request_id)
@@ -269,10 +277,15 @@ def test_logprobs_shapes(client):
     content = r["choices"][0]["logprobs"]["content"]
     assert content[0]["token"] == "Paris" and content[0]["bytes"] == list(b"Paris")
     assert [t["token"] for t in content[0]["top_logprobs"]] == ["Paris", "x"]
+    r = client.post("/v1/completions", json={**COMP, "logprobs": 1}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert lp["tokens"][0] == "Paris" and lp["text_offset"][0] == 0
+    assert lp["top_logprobs"][0] == {"Paris": -0.5}
+    # with echo the prompt's tokens come first (test_echo_with_logprobs_scores_the_prompt_too)
     r = client.post("/v1/completions", json={**COMP, "logprobs": 1, "echo": True}).json()
     lp = r["choices"][0]["logprobs"]
-    assert lp["tokens"][0] == "Paris" and lp["text_offset"][0] == len(COMP["prompt"])
-    assert lp["top_logprobs"][0] == {"Paris": -0.5}
+    n = len(COMP["prompt"].split(" "))
+    assert lp["tokens"][n] == "Paris" and lp["text_offset"][n] == len(COMP["prompt"])
     assert client.post("/v1/completions", json=COMP).json()["choices"][0]["logprobs"] is None
 
 
@@ -662,3 +675,28 @@ def test_tokenize_and_detokenize(client):
                               ("/tokenize", {"model": "gpt-9", "prompt": "x"}, "model")):
         r = client.post(path, json=body)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+
+
+def test_echo_with_logprobs_scores_the_prompt_too(client, fake):
+    """OpenAI's legacy completions: with echo and logprobs the prompt's tokens come first in
+    logprobs (the first one's logprob null), text offsets over the echoed text."""
+    body = {"model": "smol", "prompt": "The capital", "max_tokens": 2, "echo": True,
+            "logprobs": 1}
+    r = client.post("/v1/completions", json=body).json()
+    assert fake.requests[0].params["prompt_logprobs"] == 1
+    lp = r["choices"][0]["logprobs"]
+    assert r["choices"][0]["text"] == "The capital" + "Paris est"
+    assert lp["tokens"] == ["The", " capital", "Paris", " est"]
+    assert lp["token_logprobs"] == [None, -1.0, -0.5, -0.5]
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {" capital": -1.0}
+    assert lp["text_offset"] == [0, 3, 11, 16]
+    cs = chunks(client.post("/v1/completions", json={**body, "stream": True}))
+    streamed = [c["choices"][0] for c in cs if c["choices"]]
+    assert streamed[0]["text"] == "The capital"
+    assert streamed[0]["logprobs"]["token_logprobs"] == [None, -1.0]
+    assert "".join(c["text"] for c in streamed) == r["choices"][0]["text"]
+    offsets = [o for c in streamed if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert offsets == lp["text_offset"]
+    # without echo the prompt is not scored
+    client.post("/v1/completions", json={**body, "echo": False})
+    assert "prompt_logprobs" not in fake.requests[-1].params

@@ -172,6 +172,33 @@ def test_logprobs_output_streaming_or_not(triton, tokenizer):  # noqa: F811
     assert json.loads(raw)["logprobs"] == ""       # not asked for: empty
 
 
+def test_prompt_logprobs_output(triton, tokenizer):  # noqa: F811
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    body = {"text_input": prompt, "max_tokens": 3, "sampling_parameters": json.dumps(
+        {"temperature": 0, "prompt_logprobs": 2})}
+    status, raw = http_post(triton, "/v2/models/ensemble/generate", body)
+    assert status == 200, raw
+    one = json.loads(raw)
+    entries = json.loads(one["prompt_logprobs"])
+    ids = tokenizer(prompt)["input_ids"]
+    assert [e["token_id"] for e in entries] == ids
+    assert len(entries) == one["num_input_tokens"]
+    assert entries[0]["logprob"] is None and entries[0]["top_logprobs"] == []
+    assert "".join(e["token"] for e in entries) == prompt
+    for e in entries[1:]:
+        assert e["logprob"] <= 0 and len(e["top_logprobs"]) == 2
+        assert e["top_logprobs"][0][1] >= e["logprob"] - 1e-6     # best first
+    # the model's view: " is" after "...the capital of Italy" is likelier than " capital"
+    # right after "The"
+    assert entries[-1]["logprob"] > entries[1]["logprob"]
+    events = sse(triton, {**body, "stream": True})
+    assert json.loads(events[0]["prompt_logprobs"]) == entries
+    assert all(ev["prompt_logprobs"] == "" for ev in events[1:])
+    plain = json.loads(http_post(triton, "/v2/models/ensemble/generate",
+                                 {"text_input": prompt, "max_tokens": 3})[1])
+    assert plain["prompt_logprobs"] == ""
+
+
 def test_exclude_input_in_output_false_echoes_the_prompt(triton):  # noqa: F811
     with grpc(triton) as c:
         plain = c.generate("The sky is", max_tokens=4, temperature=0.0)

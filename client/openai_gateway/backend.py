@@ -18,7 +18,7 @@ class BackendError(Exception):
 @dataclass
 class TokenLogprob:
     token: str
-    logprob: float
+    logprob: Optional[float]                         # None: a prompt's first token
     top: list = field(default_factory=list)          # [(token, logprob), ...], best first
 
 
@@ -39,6 +39,9 @@ class Chunk:
     num_input_tokens: int = 0
     num_output_tokens: int = 0                       # cumulative for the request
     logprobs: Optional[list] = None                  # TokenLogprob per new token, when asked
+    # TokenLogprob per prompt token (the first one's logprob None), in the first chunk when
+    # params asked for prompt_logprobs
+    prompt_logprobs: Optional[list] = None
 
 
 class Backend(Protocol):

@@ -56,6 +56,10 @@ def parse_completion(body: Any, default_model: str) -> GenerationRequest:
     req = _common(body, "completion", default_model, prompts, logprobs, renames={},
                   default_max_tokens=16)
     req.echo = _flag(body, "echo", False)
+    if req.echo and logprobs is not None:
+        # OpenAI's echo with logprobs scores the prompt's tokens too (what lm-eval's
+        # loglikelihood requests read)
+        req.params["prompt_logprobs"] = logprobs
     return req
 
 

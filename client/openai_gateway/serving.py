@@ -31,6 +31,7 @@ class _Choice:
     num_input_tokens: int = 0
     num_output_tokens: int = 0
     offset: int = 0                      # completions' text_offset so far
+    prompt_logprobs: Optional[list] = None  # echo with logprobs: the prompt's, from the engine
 
 
 class Generation:
@@ -101,6 +102,8 @@ class Generation:
             c.num_input_tokens = max(c.num_input_tokens, item.num_input_tokens)
             c.num_output_tokens = max(c.num_output_tokens, item.num_output_tokens)
             c.finish_reason = item.finish_reason or c.finish_reason
+            if item.prompt_logprobs is not None:
+                c.prompt_logprobs = item.prompt_logprobs
             yield c, item
 
     def cancel(self) -> None:
@@ -138,21 +141,33 @@ class Generation:
             message, finish = self.req.tools.message(text, c.finish_reason)
             return {"index": c.index, "message": message,
                     "logprobs": self._logprobs(c, c.logprobs), "finish_reason": finish}
-        return {"index": c.index, "text": text, "logprobs": self._logprobs(c, c.logprobs),
+        return {"index": c.index, "text": text,
+                "logprobs": self._logprobs(c, self._with_prompt(c, c.logprobs)),
                 "finish_reason": c.finish_reason}
+
+    def _with_prompt(self, c: _Choice, entries: list) -> list:
+        """Echo with logprobs: the prompt's entries first, their offsets from 0 (once)."""
+        if not c.prefix or c.prompt_logprobs is None:
+            return entries
+        c.offset, prompt, c.prompt_logprobs = 0, c.prompt_logprobs, []
+        return prompt + entries
 
     # ---- streaming --------------------------------------------------------------------------
     async def sse(self) -> AsyncIterator[str]:
         """OpenAI's chunk stream: a role (chat) or echo (completions) chunk per choice, deltas, a
         finish chunk per choice, the usage chunk if asked, then [DONE]."""
         try:
+            # echo with logprobs: the echo waits for the prompt's logprobs (first response)
+            echo_later = self.req.params.get("prompt_logprobs") is not None
             for c in self.choices:
                 if self.req.kind == "chat":
                     yield self._chunk(c, {"role": "assistant", "content": ""})
-                elif c.prefix:
+                elif c.prefix and not echo_later:
                     yield self._chunk(c, c.prefix)
             tools = self.req.tools
             async for c, chunk in self.events():
+                if c.prefix and echo_later and c.prompt_logprobs:
+                    yield self._chunk(c, c.prefix, logprobs=self._with_prompt(c, []))
                 if tools.mode == "required":        # the calls go out whole, once complete
                     c.parts.append(chunk.text)
                     c.logprobs.extend(chunk.logprobs or [])
@@ -216,7 +231,8 @@ class Generation:
             c.offset += len(e.token)
         return {"tokens": [e.token for e in entries],
                 "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [dict(e.top[:self.req.logprobs]) for e in entries],
+                "top_logprobs": [None if e.logprob is None else dict(e.top[:self.req.logprobs])
+                                 for e in entries],
                 "text_offset": offsets}
 
 

@@ -132,6 +132,7 @@ class TritonBackend:
                     whole.num_output_tokens = chunk.num_output_tokens
                     if chunk.logprobs:
                         whole.logprobs = (whole.logprobs or []) + chunk.logprobs
+                    whole.prompt_logprobs = whole.prompt_logprobs or chunk.prompt_logprobs
         if whole is not None:
             yield whole
 
@@ -185,11 +186,13 @@ def _chunk(result) -> Optional[Chunk]:
         return None
     finish = _scalar(result, "finish_reason")
     lp = _scalar(result, "logprobs")
+    plp = _scalar(result, "prompt_logprobs")
     return Chunk(text="".join(_str(t) for t in np.ravel(text)),
                  finish_reason=finish or None,
                  num_input_tokens=int(_scalar(result, "num_input_tokens") or 0),
                  num_output_tokens=int(_scalar(result, "num_output_tokens") or 0),
-                 logprobs=parse_logprobs(lp) if lp else None)
+                 logprobs=parse_logprobs(lp) if lp else None,
+                 prompt_logprobs=parse_logprobs(plp) if plp else None)
 
 
 def _scalar(result, name: str):
@@ -212,7 +215,8 @@ def parse_logprobs(text: str) -> list[TokenLogprob]:
     for e in json.loads(text):
         if "logprob" in e:
             top = [(str(t), float(lp)) for t, lp in e.get("top_logprobs") or []]
-            out.append(TokenLogprob(str(e.get("token", "")), float(e["logprob"]), top))
+            lp = None if e["logprob"] is None else float(e["logprob"])
+            out.append(TokenLogprob(str(e.get("token", "")), lp, top))
         else:
             items = [(v.get("decoded_token", k), float(v["logprob"])) for k, v in e.items()]
             ranked = sorted(items, key=lambda x: -x[1])

@@ -38,7 +38,8 @@ from typing import Any, Callable, Optional
 from pagedbackend.serving.busy_period import BusyPeriod
 from pagedbackend.serving.queues import take_batch
 from pagedbackend.serving.request import ParsedRequest
-from pagedbackend.serving.responses import Chunk, Outgoing, last_logprobs, merge_chunks
+from pagedbackend.serving.responses import (Chunk, Outgoing, last_logprobs, merge_chunks,
+                                            prompt_entries)
 from pagedbackend.serving.sender import Sender
 
 from pagedbackend.engine.detokenizer import DETOKENIZE_CONTEXT, MAX_EXTRA_CONTEXT, context_for
@@ -246,7 +247,8 @@ class EngineLoop:
             chunk = Chunk(new_ids, context, text, comp.finish_reason if finished else None,
                           live.prompt_len, len(new_ids), prefix=self._echo(live, out) if first
                           else "", request_key=live.key,
-                          logprobs=last_logprobs(comp.logprobs, len(new_ids), live.req.params))
+                          logprobs=last_logprobs(comp.logprobs, len(new_ids), live.req.params),
+                          prompt_logprobs=self._prompt_logprobs(live, out) if first else None)
             if live.held is not None:
                 chunk, live.held = merge_chunks(live.held, chunk), None
             if finished:
@@ -268,9 +270,14 @@ class EngineLoop:
                           "".join(live.text) if live.text_mode else None, comp.finish_reason,
                           live.prompt_len, len(live.ids), prefix=self._echo(live, out),
                           request_key=live.key,
-                          logprobs=last_logprobs(comp.logprobs, len(live.ids), live.req.params))
+                          logprobs=last_logprobs(comp.logprobs, len(live.ids), live.req.params),
+                          prompt_logprobs=self._prompt_logprobs(live, out))
             self._finish(out.request_id, Outgoing(live.handle, chunk, final=True),
                          reason=comp.finish_reason, now=now)
+
+    @staticmethod
+    def _prompt_logprobs(live: _Live, out: Any) -> Optional[list]:
+        return prompt_entries(out.prompt_logprobs, out.prompt_token_ids, live.req.params)
 
     def _echo(self, live: _Live, out: Any) -> str:
         if live.req.exclude_input_in_output:

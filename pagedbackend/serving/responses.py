@@ -22,14 +22,26 @@ class Chunk:
     # Per token in token_ids, when the request asked for logprobs: (sampled id, its logprob,
     # [(id, logprob), ...] the top-k best first).
     logprobs: Optional[list] = None
+    # The first response of a request that asked for prompt_logprobs: per prompt token the same
+    # (id, logprob, top-k) triple, the first token's logprob None (nothing predicts it).
+    prompt_logprobs: Optional[list] = None
 
     def logprobs_json(self) -> str:
         """JSON for the `logprobs` output: [{"token_id", "logprob", "top_logprobs":
         [[id, logprob], ...]}, ...], or "" when not asked for."""
-        if self.logprobs is None:
-            return ""
-        return json.dumps([{"token_id": t, "logprob": lp, "top_logprobs": top}
-                           for t, lp, top in self.logprobs])
+        return _entries_json(self.logprobs)
+
+    def prompt_logprobs_json(self) -> str:
+        """JSON for the `prompt_logprobs` output: as `logprobs`, one entry per prompt token,
+        the first one's logprob null; "" when not asked for or not in this response."""
+        return _entries_json(self.prompt_logprobs)
+
+
+def _entries_json(entries: Optional[list]) -> str:
+    if entries is None:
+        return ""
+    return json.dumps([{"token_id": t, "logprob": lp, "top_logprobs": top}
+                       for t, lp, top in entries])
 
 
 @dataclass
@@ -76,7 +88,25 @@ def merge_chunks(a: Chunk, b: Chunk) -> Chunk:
         else None
     return Chunk(a.token_ids + b.token_ids, a.context_ids, text, b.finish_reason,
                  b.num_input_tokens, a.num_output_tokens + b.num_output_tokens,
-                 prefix=a.prefix, request_key=b.request_key or a.request_key, logprobs=logprobs)
+                 prefix=a.prefix, request_key=b.request_key or a.request_key, logprobs=logprobs,
+                 prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None
+                 else b.prompt_logprobs)
+
+
+def prompt_entries(entries: Optional[list], prompt_ids: list, params: Any) -> Optional[list]:
+    """RequestOutput.prompt_logprobs as (prompt token id, logprob, top-k best first) per
+    token; the first token, which nothing predicts, as (its id, None, [])."""
+    if entries is None or params.prompt_logprobs is None:
+        return None
+    out: list = []
+    for i, d in enumerate(entries):
+        if d is None:
+            out.append((prompt_ids[i], None, []))
+            continue
+        tok, lp = next(iter(d.items()))        # the prompt's token comes first
+        top = sorted(d.items(), key=lambda kv: -kv[1])[:params.prompt_logprobs]
+        out.append((tok, lp, [[t, v] for t, v in top]))
+    return out
 
 
 def last_logprobs(entries: Optional[list], n: int, params: Any) -> Optional[list]:

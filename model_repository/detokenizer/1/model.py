@@ -61,6 +61,8 @@ class TritonPythonModel:
         text = get("prefix_text").reshape(-1)[0].decode("utf-8") + text   # echoed prompt
         out = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object)),
                pb_utils.Tensor("logprobs", np.array([[self._logprobs(get("engine_logprobs"))]],
-                                                    dtype=object))]
+                                                    dtype=object)),
+               pb_utils.Tensor("prompt_logprobs", np.array(
+                   [[self._logprobs(get("engine_prompt_logprobs"))]], dtype=object))]
         out += [pb_utils.Tensor(dst, get(src).reshape(1, 1)) for src, dst in PASS_THROUGH]
         return pb_utils.InferenceResponse(output_tensors=out)

@@ -105,6 +105,8 @@ class TritonPythonModel:
             pb_utils.Tensor("num_output_tokens", np.array([[c.num_output_tokens]], np.uint32)),
             pb_utils.Tensor("request_key", np.array([[c.request_key.encode()]], dtype=object)),
             pb_utils.Tensor("logprobs", np.array([[c.logprobs_json().encode()]], dtype=object)),
+            pb_utils.Tensor("prompt_logprobs",
+                            np.array([[c.prompt_logprobs_json().encode()]], dtype=object)),
         ]
         sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
 
