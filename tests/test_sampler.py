@@ -364,7 +364,7 @@ def test_grammar_rows_sample_only_what_the_grammar_allows():
 
 def test_bitmask_unpacking_matches_xgrammar():
     xgr = pytest.importorskip("xgrammar")
-    from pagedbackend.layers.sampler import unpack_bitmask
+    from pagedbackend.layers.token_controls import unpack_bitmask
     bitmask = torch.randint(-2**31, 2**31 - 1, (3, (V + 31) // 32), dtype=torch.int32)
     logits = rand_logits(3)
     ref = logits.clone()

@@ -14,7 +14,7 @@ import json
 import logging
 import re
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from pagedbackend.config import check
 

@@ -14,6 +14,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from pagedbackend.layers.norm import USE_KERNELS
+from pagedbackend.layers.token_controls import (allowed_pairs, apply_logit_bias, apply_masks,
+                                                banned_pairs, bias_triples, grammar_bitmask,
+                                                unpack_bitmask)
 from pagedbackend.sampling_params import SamplingParams
 
 # Like vLLM: a temperature this small is treated as greedy (dividing by it would overflow).
@@ -111,50 +114,28 @@ class SamplingMetadata:
                 pres = floats([p.presence_penalty for p in params])
                 freq = floats([p.frequency_penalty for p in params])
 
-        ban_rows, ban_ids = [], []
-        for i, (p, ids) in enumerate(zip(params, min_tokens_stop_ids)):
-            if ids and len(output_token_ids[i]) < p.min_tokens:
-                valid = [t for t in ids if 0 <= t < V]
-                ban_rows += [i] * len(valid)
-                ban_ids += valid
-        for i, words in enumerate(bad_words or ()):
-            for t in _bad_word_bans(words, output_token_ids[i], V):
-                ban_rows.append(i)
-                ban_ids.append(t)
-        ban_r = ban_i = None
-        if ban_rows:
-            ban_r = _to_device(ban_rows, torch.long, device)
-            ban_i = _to_device(ban_ids, torch.long, device)
-
-        bias_r = bias_i = bias_v = allowed = None
-        # one pass over the rows; the rest only for rows with a logit_bias or allowed_token_ids
-        ctl = [(i, p) for i, p in enumerate(params)
-               if p.logit_bias is not None or p.allowed_token_ids is not None]
-        triples = [(i, t, b) for i, p in ctl if p.logit_bias
-                   for t, b in p.logit_bias.items() if 0 <= t < V]
+        # (row, token) pairs to -inf, logit_bias triples, allowed tokens: token_controls.py
+        bans = banned_pairs(params, output_token_ids, min_tokens_stop_ids, bad_words, V)
+        ban_r, ban_i = (_to_device(list(x), torch.long, device) for x in bans) if bans[0] \
+            else (None, None)
+        bias_r = bias_i = bias_v = None
+        triples = bias_triples(params, V)
         if triples:
-            rows_, ids_, vals_ = zip(*triples)
-            bias_r = _to_device(list(rows_), torch.long, device)
-            bias_i = _to_device(list(ids_), torch.long, device)
-            bias_v = _to_device(list(vals_), torch.float32, device)
-
-        lists = [(i, p.allowed_token_ids) for i, p in ctl if p.allowed_token_ids]
-        if lists:
+            bias_r, bias_i = (_to_device(list(x), torch.long, device) for x in triples[:2])
+            bias_v = _to_device(list(triples[2]), torch.float32, device)
+        allowed = None
+        limited, pairs = allowed_pairs(params, V)
+        if limited:
             allowed = torch.ones(n, V, dtype=torch.bool, device=device)
-            allowed[_to_device([i for i, _ in lists], torch.long, device)] = False
-            pairs = [(i, t) for i, ids in lists for t in ids if 0 <= t < V]
+            allowed[_to_device(limited, torch.long, device)] = False
             allowed[_to_device([i for i, _ in pairs], torch.long, device),
                     _to_device([t for _, t in pairs], torch.long, device)] = True
-        rows_g = [i for i, g in enumerate(grammars or ()) if g is not None]
+        rows_g, bitmask = grammar_bitmask(grammars, V)
         if rows_g:
-            # the grammars' next tokens: filled on the host (32 tokens per int32), unpacked there
-            bitmask = torch.full((len(rows_g), (V + 31) // 32), -1, dtype=torch.int32)
-            for j, i in enumerate(rows_g):
-                grammars[i].fill_bitmask(bitmask, j)
             if allowed is None:
                 allowed = torch.ones(n, V, dtype=torch.bool, device=device)
-            rows_t = _to_device(rows_g, torch.long, device)
-            allowed[rows_t] &= unpack_bitmask(to_device_async(bitmask, device), V)
+            allowed[_to_device(rows_g, torch.long, device)] &= unpack_bitmask(
+                to_device_async(bitmask, device), V)
 
         num_logprobs = [p.logprobs for p in params]
         wanted = [k for k in num_logprobs if k is not None]
@@ -208,17 +189,11 @@ class Sampler(torch.nn.Module):
                 and meta.bias_rows is None and meta.allowed_mask is None:
             # the common greedy step: the argmax of the logits as they are (widening is exact)
             return SamplerOutput(sampled_token_ids=argmax(logits), logprobs=None)
-        logits = logits.float()
-        raw = logits
-        if meta.bias_rows is not None:         # out of place: raw stays the model's logits
-            logits = logits.index_put((meta.bias_rows, meta.bias_ids), meta.bias_values,
-                                      accumulate=True)
-        logits = _apply_penalties(logits, meta)
-        if meta.banned_rows is not None:
-            logits = logits.index_put((meta.banned_rows, meta.banned_ids),
-                                      logits.new_full((), -math.inf))
-        if meta.allowed_mask is not None:
-            logits = logits.masked_fill(~meta.allowed_mask, -math.inf)
+        raw = logits.float()
+        # vLLM's order: logit_bias, the penalties, then the masks (all out of place: raw stays
+        # the model's logits, for logprobs)
+        logits = _apply_penalties(apply_logit_bias(raw, meta), meta)
+        logits = apply_masks(logits, meta)
 
         if meta.all_greedy:
             sampled = argmax(logits)
@@ -262,25 +237,6 @@ def _to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
 
 def _is_greedy(p: SamplingParams) -> bool:
     return p.greedy or p.temperature < _GREEDY_EPS
-
-
-def unpack_bitmask(bitmask: torch.Tensor, V: int) -> torch.Tensor:
-    """int32 [R, ceil(V / 32)] (bit b of word w: token 32 w + b) -> bool [R, V]."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :V].bool()
-
-
-def _bad_word_bans(words: Sequence[Sequence[int]], output: Sequence[int], V: int) -> list[int]:
-    """The tokens a row may not sample next: the last token of each bad word whose other tokens
-    end the output (a one-token word: always)."""
-    bans = []
-    for word in words:
-        k = len(word) - 1
-        if 0 <= word[-1] < V and (k == 0 or len(output) >= k
-                                  and list(output[len(output) - k:]) == list(word[:-1])):
-            bans.append(word[-1])
-    return bans
 
 
 def _scatter_rows(rows: list[list[int]], V: int, device: torch.device,

@@ -53,7 +53,7 @@ def resolve_load_format(model_dir: str, load_format: str) -> str:
     if gguf_io.find_gguf(model_dir):
         return "gguf"
     raise ValueError(f"load_format='auto' is invalid for this model directory: it holds "
-                     f"neither *.safetensors nor a .gguf file")
+                     "neither *.safetensors nor a .gguf file")
 
 
 def _iter_safetensors(model_dir: str) -> Iterator[tuple[str, Any]]:
