@@ -59,8 +59,9 @@ def test_a_batch_of_events_costs_one_increment_per_counter():
     fams = FakeFamilies()
     m = ServingMetrics(fams, "m")
     events = [("gen", 1)] * 200 + [("first", 0.1, 0.01, 30), ("first", 0.2, None, 12),
-                                   ("itl", 0.02, 3), ("done", "length", 1.5, 30, 7),
-                                   ("done", "stop", 1.0, 12, 3), ("done", "length", 2.0, 5, 9),
+                                   ("itl", 0.02, 3), ("done", "length", 1.5, 30, 7, None),
+                                   ("done", "stop", 1.0, 12, 3, None),
+                                   ("done", "length", 2.0, 5, 9, None),
                                    ("stats", stats(4, 1)), ("stats", stats(2, 3))]
     m.apply_batch(events)
     get = lambda name, **kw: fams.metrics[(name, tuple(sorted({"model_name": "m", **kw}.items())))]
@@ -80,6 +81,26 @@ def test_a_batch_of_events_costs_one_increment_per_counter():
     # preemptions -> 5 increments, not 200+; the ITL observations: the 18 buckets from
     # le=0.025 up (cumulative) and +Inf, _sum and _count
     assert fams.calls.count("increment") == 5 + 18 + 3
+
+
+def test_request_phases_and_tokens_per_step():
+    """vLLM's phase histograms (first schedule -> first token -> last token) per finished
+    request, and vllm:iteration_tokens_total, one observation per engine step, as counters."""
+    fams = FakeFamilies()
+    m = ServingMetrics(fams, "m")
+    m.on_finished("stop", 2.0, 10, 5, phases=(0.25, 1.5))
+    m.on_finished("abort", 0.1, 10, 0)                     # no token: no phases
+    for tokens in [1] * 300 + [512, 700, 9000]:
+        m.on_step(tokens)
+    m.close()
+    get = lambda name, **kw: fams.metrics[(name, tuple(sorted({"model_name": "m", **kw}.items())))]
+    assert get("vllm:request_prefill_time_seconds").observed == [0.25]
+    assert get("vllm:request_decode_time_seconds").observed == [1.5]
+    assert get("vllm:request_inference_time_seconds").observed == [1.75]
+    bucket = lambda le: get("vllm:iteration_tokens_total_bucket", le=le).total
+    assert bucket("1.0") == 300 and bucket("512.0") == 301 and bucket("1024.0") == 302
+    assert bucket("16384.0") == bucket("+Inf") == 303
+    assert get("vllm:iteration_tokens_total_sum").total == 300 + 512 + 700 + 9000
 
 
 def test_inter_token_latency_buckets_are_cumulative_and_cost_one_call_per_series():

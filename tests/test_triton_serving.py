@@ -59,7 +59,11 @@ def test_models_ready_and_vllm_metrics_listed(triton):  # noqa: F811
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
                  "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
-                 "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count"):
+                 "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
+                 "vllm:request_prefill_time_seconds_count",
+                 "vllm:request_decode_time_seconds_count",
+                 "vllm:request_inference_time_seconds_count",
+                 "vllm:iteration_tokens_total_count"):
         assert f'{name}{{model_name="smollm2-135m-instruct"' in text, name
     assert 'vllm:request_success_total{finished_reason="stop"' in text
     # the KV cache's settings as labels of one gauge at 1 (vLLM's cache_config_info)
@@ -248,6 +252,10 @@ def test_16_concurrent_streams_and_token_counters(triton):  # noqa: F811
     # one inter-token latency per token after the first, in the counter-built histogram
     assert grew("vllm:inter_token_latency_seconds_count") == 16 * 11
     assert grew("vllm:inter_token_latency_seconds_bucket", le="+Inf") == 16 * 11
+    assert grew("vllm:request_decode_time_seconds_count") == 16
+    assert grew("vllm:request_prefill_time_seconds_count") == 16
+    # every token of these requests was scheduled in some step
+    assert grew("vllm:iteration_tokens_total_sum") >= grew("vllm:prompt_tokens_total") + 16 * 11
     assert metric_value(after, "vllm:num_requests_running") == 0
 
 

@@ -111,6 +111,7 @@ class LLMEngine:
             self.async_scheduling = (str(info.device).startswith("cuda")
                                      and config.tensor_parallel_size == 1)
         self._inflight = None       # (SchedulerOutput, Launched) of the step on the device
+        self.last_step_tokens = 0   # tokens the last step() scheduled (metrics)
 
     def timing_summary(self, reset: bool = False) -> dict:
         """Mean per-step split: host work vs waiting for the GPU at the one sync."""
@@ -250,6 +251,7 @@ class LLMEngine:
         computed and dropped."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule(time.monotonic())
+        self.last_step_tokens = sched.num_scheduled_tokens
         t1 = time.perf_counter()
         prev, self._inflight = self._inflight, None
         if prev is not None and (sched.is_empty or any(s.request.needs_all_tokens

@@ -65,6 +65,7 @@ class _Live:
     num_out: int = 0
     first_token: Optional[float] = None
     last_token: Optional[float] = None
+    first_scheduled: Optional[float] = None     # the engine's clock (time.monotonic), as ours
     cancelled: bool = False
 
 
@@ -156,6 +157,9 @@ class EngineLoop:
                     period = period or BusyPeriod(t0)
                     outputs = self.engine.step()
                     now = time.monotonic()
+                    tokens = getattr(self.engine, "last_step_tokens", 0)
+                    if self.metrics is not None and tokens:
+                        self.metrics.on_step(tokens)
                     for out in outputs:
                         self._on_output(out, now)
                     period.add_step(t0, now, time.monotonic(), len(outputs))
@@ -294,6 +298,7 @@ class EngineLoop:
             return
         if live.first_token is None:
             live.first_token = now
+            live.first_scheduled = getattr(out, "first_scheduled_time", None)
             queued = None
             if getattr(out, "first_scheduled_time", None) and getattr(out, "arrival_time", None):
                 queued = max(0.0, out.first_scheduled_time - out.arrival_time)
@@ -311,8 +316,12 @@ class EngineLoop:
         self._forget(rid)
         self._outbox.put(item)
         if self.metrics is not None and live is not None and reason is not None:
+            phases = None
+            if live.first_scheduled is not None and live.first_token is not None:
+                phases = (max(0.0, live.first_token - live.first_scheduled),
+                          live.last_token - live.first_token)
             self.metrics.on_finished(reason, (now or time.monotonic()) - live.arrival,
-                                     live.prompt_len, live.num_out)
+                                     live.prompt_len, live.num_out, phases)
 
     def _forget(self, rid: str) -> None:
         with self._lock:

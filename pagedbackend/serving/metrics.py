@@ -33,6 +33,8 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                  100000]
+# vllm:iteration_tokens_total: tokens per engine step (vLLM's edges).
+ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 FINISH_REASONS = ("stop", "length", "abort")
 
 # Gauge/counter key -> pagedbackend.engine.llm_engine.EngineStats attribute.
@@ -147,6 +149,18 @@ class ServingMetrics:
                                         "Prompt tokens per request.", TOKEN_BUCKETS)
         self.request_generation = histogram("vllm:request_generation_tokens",
                                             "Generation tokens per request.", TOKEN_BUCKETS)
+        # a request's phases, as vLLM splits them: first schedule -> first token -> last token
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Time in the prefill phase.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Time in the decode phase.", REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Time from the first schedule to the last token.",
+                                        REQUEST_LATENCY_BUCKETS)
+        # one observation per engine step: built from counters, as the inter-token latency
+        self.iteration_tokens = CounterHistogram(
+            lambda name, doc: family(name, doc, mf.COUNTER), labels, "vllm:iteration_tokens_total",
+            "Tokens per engine step.", ITERATION_BUCKETS)
         if cache_config is not None:
             self.cache_config = family("vllm:cache_config_info", "Information of the KV cache.",
                                        mf.GAUGE).Metric(labels={**labels, **cache_config})
@@ -166,8 +180,13 @@ class ServingMetrics:
     def on_generated(self, n: int):
         self._events.put(("gen", n))
 
-    def on_finished(self, reason: str, e2e: float, prompt_tokens: int, generated: int):
-        self._events.put(("done", reason, e2e, prompt_tokens, generated))
+    def on_finished(self, reason: str, e2e: float, prompt_tokens: int, generated: int,
+                    phases: Optional[tuple[float, float]] = None):
+        """phases: (prefill, decode) seconds, for a request that got at least one token."""
+        self._events.put(("done", reason, e2e, prompt_tokens, generated, phases))
+
+    def on_step(self, num_tokens: int):
+        self._events.put(("step", num_tokens))
 
     def on_stats(self, stats: Any):
         self._events.put(("stats", stats))
@@ -216,17 +235,24 @@ class ServingMetrics:
             elif kind == "gen":
                 add(self.generation_tokens, args[0])
             elif kind == "done":
-                reason, e2e, prompt_tokens, generated = args
+                reason, e2e, prompt_tokens, generated, phases = args
                 add(self.success.get(reason, self.success["abort"]), 1)
                 self.e2e.observe(e2e)
                 self.request_prompt.observe(prompt_tokens)
                 self.request_generation.observe(generated)
+                if phases is not None:
+                    self.prefill_time.observe(phases[0])
+                    self.decode_time.observe(phases[1])
+                    self.inference_time.observe(phases[0] + phases[1])
+            elif kind == "step":
+                self.iteration_tokens.observe(args[0])
             elif kind == "stats":
                 stats = args[0]                     # gauges and cumulative totals: newest wins
         for metric, amount in totals.values():
             if amount:
                 metric.increment(amount)
         self.itl.flush()
+        self.iteration_tokens.flush()
         if stats is not None:
             self._apply_stats(stats)
 
