@@ -51,6 +51,9 @@ class SamplingParams:
     # {"json": schema}, {"json_object": true}, {"regex": str}, {"choice": [str, ...]},
     # {"grammar": EBNF str}.
     structured_outputs: Optional[dict] = None
+    # Keep only the prompt's last k tokens (vLLM's truncate_prompt_tokens), e.g. so that a long
+    # conversation fits max_model_len.
+    truncate_prompt_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,6 +95,9 @@ class SamplingParams:
             v = getattr(self, name)
             check(v is None or _is_int(v) and 0 <= v <= MAX_LOGPROBS, name, v,
                   f"an integer in [0, {MAX_LOGPROBS}]")
+        check(self.truncate_prompt_tokens is None or _is_int(self.truncate_prompt_tokens)
+              and self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
+              self.truncate_prompt_tokens, "an integer >= 1")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
         self._check_token_controls()

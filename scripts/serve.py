@@ -94,6 +94,7 @@ def main(argv=None) -> int:
             tokenizer = model_dir or str(REPO_ROOT / "models" / "smollm2-135m-instruct")
             children.append(subprocess.Popen(
                 [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", server.grpc_url,
+                 "--triton-metrics", server.metrics_url,
                  "--host", "127.0.0.1", "--port", str(args.gateway_port), "--tokenizer",
                  str((REPO_ROOT / tokenizer).resolve())],
                 cwd=str(REPO_ROOT), env=server_env()))

@@ -153,10 +153,25 @@ def test_sampling_seed_and_n(llama_dir):
     (dict(logit_bias={"7": 100.5}), r"logit_bias\[7\]"), (dict(logit_bias={"x": 1}), "logit_bias"),
     (dict(logit_bias=[1, 2]), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"), (dict(bad_words=[" "]), "bad_words"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
 ])
 def test_sampling_params_validation_names_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}="):
         SamplingParams(**kwargs)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=48)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    long = [(7 * i) % (VOCAB - 1) + 1 for i in range(60)]          # longer than max_model_len
+    with pytest.raises(ValueError, match="^prompt="):
+        llm.generate({"prompt_token_ids": long}, greedy)
+    cut = llm.generate({"prompt_token_ids": long}, greedy.clone(truncate_prompt_tokens=20))[0]
+    tail = llm.generate({"prompt_token_ids": long[-20:]}, greedy)[0]
+    assert cut.prompt_token_ids == long[-20:]
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    short = llm.generate({"prompt_token_ids": long[:8]}, greedy.clone(truncate_prompt_tokens=20))
+    assert short[0].prompt_token_ids == long[:8]                    # shorter: unchanged
 
 
 def test_request_validation_names_field(llama_dir):

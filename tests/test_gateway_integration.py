@@ -32,6 +32,7 @@ def gateway(triton, smollm2_dir):
     log = tempfile.NamedTemporaryFile("w+", prefix="gateway-", suffix=".log", delete=False)
     proc = subprocess.Popen(
         [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", triton.grpc_url,
+         "--triton-metrics", triton.metrics_url,
          "--host", "127.0.0.1", "--port", str(port), "--tokenizer", smollm2_dir,
          "--served-model-name", *NAMES], cwd=ROOT, env=env, stdout=log,
         stderr=subprocess.STDOUT, start_new_session=True)
@@ -313,7 +314,7 @@ def test_langchain_chat_openai(gateway):
 def test_auth_on_every_protected_route(gateway):
     base = gateway["base"]
     calls = [("GET", "/v1/models", None), ("GET", "/v1/models/smollm2", None),
-             ("GET", "/version", None),
+             ("GET", "/version", None), ("POST", "/tokenize", {"prompt": "Hi"}),
              ("POST", "/v1/completions", {"model": "smollm2", "prompt": "Hi", "max_tokens": 2}),
              ("POST", "/v1/chat/completions", {"model": "smollm2", "messages": MSG,
                                                "max_tokens": 2})]
@@ -327,6 +328,10 @@ def test_auth_on_every_protected_route(gateway):
                           headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200, r.text
     assert httpx.get(base + "/health").status_code == 200
+    # Prometheus scrapes without a key, as from vLLM's server: Triton's metrics, vllm:* included
+    r = httpx.get(base + "/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert 'vllm:num_requests_running{model_name="smollm2-135m-instruct"}' in r.text
 
 
 LONG = "word " * 12000     # beyond any context the engine is given

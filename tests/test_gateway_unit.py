@@ -700,3 +700,34 @@ def test_echo_with_logprobs_scores_the_prompt_too(client, fake):
     # without echo the prompt is not scored
     client.post("/v1/completions", json={**body, "echo": False})
     assert "prompt_logprobs" not in fake.requests[-1].params
+
+
+def test_metrics_route_passes_triton_s_text_or_says_503(fake, tmp_path):
+    page = tmp_path / "metrics"
+    page.write_text('vllm:num_requests_running{model_name="m"} 3\n')
+    client = TestClient(create_app(fake, ["smol"], api_key=KEY, metrics_url=page.as_uri()))
+    r = client.get("/metrics")                                    # no key needed
+    assert r.status_code == 200 and r.text == page.read_text()
+    gone = TestClient(create_app(fake, ["smol"], metrics_url=(tmp_path / "none").as_uri()))
+    r = gone.get("/metrics")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "metrics_unavailable"
+    assert TestClient(create_app(fake, ["smol"])).get("/metrics").status_code == 404
+
+
+def test_continue_final_message_and_continuous_usage(fake):
+    tok = FakeTokenizer()
+    client = TestClient(create_app(fake, ["smol"], renderer=PromptRenderer(tok)))
+    msgs = CHAT["messages"] + [{"role": "assistant", "content": "Paris is"}]
+    assert client.post("/v1/chat/completions", json={**CHAT, "messages": msgs,
+                                                     "continue_final_message": True}).status_code == 200
+    assert tok.template_kwargs == {"continue_final_message": True}
+    assert not fake.requests[0].prompt.endswith("<assistant>")    # no new turn opened
+    r = client.post("/v1/chat/completions", json={**CHAT, "continue_final_message": True,
+                                                  "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    body = {**COMP, "stream": True, "stream_options": {"include_usage": True,
+                                                       "continuous_usage_stats": True}}
+    cs = chunks(client.post("/v1/completions", json=body))
+    done = [c["usage"]["completion_tokens"] for c in cs]
+    assert all(c["usage"] is not None for c in cs) and done == sorted(done)
+    assert done[-1] == len(ANSWER.split(" ")) and cs[-1]["choices"] == []

@@ -28,6 +28,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
     p.add_argument("--tokenizer", default=None,
                    help="model directory with the tokenizer files (chat template)")
+    p.add_argument("--triton-metrics", default=None,
+                   help="Triton's metrics URL, served again at /metrics (default: "
+                        "http://<--triton-grpc host>:8002/metrics; 'off': no /metrics)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
@@ -38,9 +41,13 @@ def build_app(args: argparse.Namespace):
     names = args.served_model_name or [
         os.path.basename(os.path.normpath(args.tokenizer)) if args.tokenizer else args.triton_model]
     backend = TritonBackend(args.triton_grpc, args.triton_model)
+    metrics = args.triton_metrics
+    if metrics is None:
+        metrics = f"http://{args.triton_grpc.rsplit(':', 1)[0]}:8002/metrics"
     app = create_app(backend, names, api_key=api_key,
                      renderer=PromptRenderer.from_path(args.tokenizer),
-                     max_body_bytes=args.max_body_bytes)
+                     max_body_bytes=args.max_body_bytes,
+                     metrics_url=None if metrics == "off" else metrics)
     # The key itself is never logged; only whether one is set.
     logging.getLogger("openai_gateway").info(
         "serving %s on http://%s:%d (Triton gRPC %s, model %s, api key %s)", names, args.host,

@@ -10,11 +10,12 @@ import hmac
 import json
 import logging
 import time
+import urllib.request
 from importlib import metadata
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from client.openai_gateway.backend import Backend, BackendError
@@ -24,13 +25,17 @@ from client.openai_gateway.protocol import parse_chat, parse_completion, unknown
 from client.openai_gateway.serving import Generation
 
 log = logging.getLogger("openai_gateway")
-PUBLIC_PATHS = ("/health",)
+# Open without the key, as in vLLM's server: probes and Prometheus scrapers send none.
+PUBLIC_PATHS = ("/health", "/metrics")
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 def create_app(backend: Backend, served_names: list[str], api_key: Optional[str] = None,
                renderer: Optional[PromptRenderer] = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               metrics_url: Optional[str] = None) -> FastAPI:
+    """metrics_url: Triton's Prometheus endpoint, served again at /metrics (vLLM's server has
+    its metrics on its own port); None: no /metrics route."""
     app = FastAPI(title="pagedbackend OpenAI gateway", docs_url=None, redoc_url=None,
                   openapi_url=None)
     renderer = renderer or PromptRenderer(None)
@@ -58,6 +63,17 @@ def create_app(backend: Backend, served_names: list[str], api_key: Optional[str]
         if await backend.ready():
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "not ready"}, status_code=503, headers={"Retry-After": "5"})
+
+    if metrics_url:
+        @app.get("/metrics")
+        async def prometheus_metrics() -> Response:
+            try:
+                body = await asyncio.to_thread(_fetch, metrics_url)
+            except OSError as e:
+                raise APIError(503, f"Triton's metrics endpoint did not answer: {e}",
+                               type_="service_unavailable", code="metrics_unavailable",
+                               retry_after=5) from None
+            return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/version")
     async def version() -> dict:
@@ -211,6 +227,11 @@ async def _supports_logprobs(backend: Backend) -> bool:
         return await backend.supports_logprobs()
     except BackendError as e:
         raise from_triton(e.message) from None
+
+
+def _fetch(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:      # noqa: S310 - our own URL
+        return r.read()
 
 
 def _own_version() -> str:

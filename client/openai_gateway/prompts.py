@@ -32,10 +32,12 @@ class PromptRenderer:
     def _chat(self, req: GenerationRequest) -> str:
         tok = self._need("messages")
         try:
-            tools = {"tools": req.tools.tools} if req.tools.tools else {}
+            extra = {"tools": req.tools.tools} if req.tools.tools else {}
+            if req.continue_final_message:
+                extra["continue_final_message"] = True
             return tok.apply_chat_template(req.messages, tokenize=False,
                                            add_generation_prompt=req.add_generation_prompt,
-                                           **tools, **req.chat_template_kwargs)
+                                           **extra, **req.chat_template_kwargs)
         except Exception as e:  # noqa: BLE001 - jinja raises for conversations it refuses
             raise bad_request(f"messages could not be rendered with the chat template: {e}",
                               param="messages") from None

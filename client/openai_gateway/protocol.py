@@ -21,7 +21,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "min_tokens", "ignore_eos",
                     "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-                    "logit_bias", "allowed_token_ids", "bad_words")
+                    "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
 
 
 @dataclass
@@ -33,6 +33,7 @@ class GenerationRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False             # vLLM's stream_options.continuous_usage_stats
     echo: bool = False
     logprobs: Optional[int] = None             # top alternatives per token; None: off
     priority: int = 0
@@ -40,6 +41,7 @@ class GenerationRequest:
     messages: list = field(default_factory=list)
     chat_template_kwargs: dict = field(default_factory=dict)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False       # the last (assistant) message is continued
     # engine field names in errors -> the body's names (logprobs -> top_logprobs for chat, ...)
     renames: dict = field(default_factory=dict)
     tools: ToolChoice = field(default_factory=ToolChoice)     # chat's tools and tool_choice
@@ -85,7 +87,12 @@ def parse_chat(body: Any, default_model: str) -> GenerationRequest:
         req.renames.update({k: "tools" for k in req.renames if k.startswith("structured")})
     req.tools = tools
     req.messages = messages
-    req.add_generation_prompt = _flag(body, "add_generation_prompt", True)
+    req.continue_final_message = _flag(body, "continue_final_message", False)
+    req.add_generation_prompt = _flag(body, "add_generation_prompt",
+                                      not req.continue_final_message)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be "
+                          "true", param="continue_final_message")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object", param="chat_template_kwargs")
@@ -123,6 +130,7 @@ def _common(body: dict, kind: str, default_model: str, prompts: list, logprobs: 
     if not isinstance(options, dict):
         raise bad_request("stream_options must be an object", param="stream_options")
     include_usage = bool(options.get("include_usage", False)) and stream
+    continuous = include_usage and bool(options.get("continuous_usage_stats", False))
     priority = body.get("priority", 0)
     _check(lambda: check(_is_int(priority) and -2**31 <= priority < 2**31, "priority", priority,
                          "a 32-bit integer"))
@@ -132,7 +140,8 @@ def _common(body: dict, kind: str, default_model: str, prompts: list, logprobs: 
     user = body.get("user")
     _check(lambda: check(user is None or isinstance(user, str), "user", user, "a string"))
     return GenerationRequest(kind=kind, model=model, prompts=prompts, params=params, n=n,
-                             stream=stream, include_usage=include_usage, logprobs=logprobs,
+                             stream=stream, include_usage=include_usage,
+                             continuous_usage=continuous, logprobs=logprobs,
                              priority=priority, cache_salt=salt, renames=renames)
 
 

@@ -212,7 +212,9 @@ class Generation:
         else:
             choice = {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": finish}
         body = {**self._head(), "choices": [choice]}
-        if self.req.include_usage:
+        if self.req.continuous_usage:           # vLLM's running totals in every chunk
+            body["usage"] = self.usage()
+        elif self.req.include_usage:
             body["usage"] = None
         return _sse(body)
 

@@ -145,6 +145,9 @@ class LLMEngine:
               "a string")
         check(params.n <= self.config.max_n, "n", params.n, f"an integer in [1, {self.config.max_n}]")
         prompt_text, ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
+            ids = ids[-params.truncate_prompt_tokens:]
+            prompt_text = None            # the text no longer matches the ids
         info = self.info
         check(len(ids) < info.max_model_len, "prompt", f"<{len(ids)} tokens>",
               f"at most {info.max_model_len - 1} tokens (max_model_len={info.max_model_len})")
