@@ -16,7 +16,7 @@ import torch
 from pagedbackend.layers.norm import USE_KERNELS
 from pagedbackend.layers.token_controls import (allowed_pairs, apply_logit_bias, apply_masks,
                                                 banned_pairs, bias_triples, grammar_bitmask,
-                                                unpack_bitmask)
+                                                token_lists, unpack_bitmask)
 from pagedbackend.sampling_params import SamplingParams
 
 # Like vLLM: a temperature this small is treated as greedy (dividing by it would overflow).
@@ -119,12 +119,13 @@ class SamplingMetadata:
         ban_r, ban_i = (_to_device(list(x), torch.long, device) for x in bans) if bans[0] \
             else (None, None)
         bias_r = bias_i = bias_v = None
-        triples = bias_triples(params, V)
+        lists = token_lists(params)
+        triples = bias_triples(lists, V)
         if triples:
             bias_r, bias_i = (_to_device(list(x), torch.long, device) for x in triples[:2])
             bias_v = _to_device(list(triples[2]), torch.float32, device)
         allowed = None
-        limited, pairs = allowed_pairs(params, V)
+        limited, pairs = allowed_pairs(lists, V)
         if limited:
             allowed = torch.ones(n, V, dtype=torch.bool, device=device)
             allowed[_to_device(limited, torch.long, device)] = False

@@ -41,16 +41,22 @@ def bad_word_bans(words: Sequence[Sequence[int]], output: Sequence[int], V: int)
     return bans
 
 
-def bias_triples(params: Sequence, V: int) -> Optional[tuple]:
-    """logit_bias as (rows, tokens, biases), or None when no row has one."""
-    triples = [(i, t, b) for i, p in enumerate(params) if p.logit_bias
+def token_lists(params: Sequence) -> list[tuple[int, Any]]:
+    """(row, params) of the rows with a logit_bias or allowed_token_ids (one pass)."""
+    return [(i, p) for i, p in enumerate(params)
+            if p.logit_bias is not None or p.allowed_token_ids is not None]
+
+
+def bias_triples(rows: list[tuple[int, Any]], V: int) -> Optional[tuple]:
+    """logit_bias of token_lists' rows as (rows, tokens, biases), or None when none has one."""
+    triples = [(i, t, b) for i, p in rows if p.logit_bias
                for t, b in p.logit_bias.items() if 0 <= t < V]
     return tuple(zip(*triples)) if triples else None
 
 
-def allowed_pairs(params: Sequence, V: int) -> tuple[list[int], list[tuple[int, int]]]:
-    """(rows with allowed_token_ids, their (row, token) pairs)."""
-    lists = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids]
+def allowed_pairs(rows: list[tuple[int, Any]], V: int) -> tuple[list[int], list[tuple]]:
+    """(the rows with allowed_token_ids among token_lists' rows, their (row, token) pairs)."""
+    lists = [(i, p.allowed_token_ids) for i, p in rows if p.allowed_token_ids]
     return [i for i, _ in lists], [(i, t) for i, ids in lists for t in ids if 0 <= t < V]
 
 
