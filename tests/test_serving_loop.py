@@ -408,3 +408,46 @@ def test_each_busy_period_is_reported_once_from_the_sender_thread():
         assert line.endswith("; steps by path: decode_graph 3, mixed_eager 1"), line
         slow = re.search(r"slowest step ([0-9.]+) ms at \+([0-9.]+) s", line)
         assert slow and float(slow.group(1)) >= 120 and float(slow.group(2)) < 5, line
+
+
+class RecordingGrammars:
+    """The engine's GrammarCompiler interface: records where it compiled; "(" fails."""
+
+    def __init__(self):
+        self.threads = []
+
+    def compile(self, spec):
+        self.threads.append(threading.current_thread().name)
+        if spec.get("regex") == "(":
+            raise ValueError("structured_outputs.regex='(' is invalid: must be a valid regular "
+                             "expression (the parenthesis is not closed)")
+
+
+def test_structured_output_grammars_compile_on_the_submitting_thread():
+    """A large schema compiles for a while: on the caller's (Triton's execute) thread, so the
+    loop thread never stalls the running batch for it; a bad one is refused there, alone."""
+    eng = FakeEngine()
+    eng.grammars = RecordingGrammars()
+    added, add = [], eng.add_request
+    eng.add_request = lambda rid, prompt, params, **kw: (added.append(params),
+                                                         add(rid, prompt, params, **kw))
+    sent = []
+    loop = EngineLoop(eng, lambda h, item: sent.append((h, item))).start()
+    try:
+        good = SamplingParams(max_tokens=2, structured_outputs={"regex": "[a-z]+"})
+        bad = SamplingParams(max_tokens=2, structured_outputs={"regex": "("})
+        loop.submit("ok", ParsedRequest(prompt=None, prompt_token_ids=[1], params=good))
+        loop.submit("bad", ParsedRequest(prompt=None, prompt_token_ids=[1], params=bad))
+        loop.submit("plain", ParsedRequest(prompt=None, prompt_token_ids=[1],
+                                           params=SamplingParams(max_tokens=2)))
+        deadline = time.time() + 10
+        while sum(1 for _, item in sent if item.final) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        loop.shutdown()
+    assert eng.grammars.threads == [threading.current_thread().name] * 2
+    finals = {h: item for h, item in sent if item.final}
+    assert finals["bad"].error.startswith("structured_outputs.regex='('")
+    assert finals["bad"].error_kind == "invalid"
+    assert finals["ok"].error is None and finals["plain"].error is None
+    assert [p.structured_outputs for p in added] == [{"regex": "[a-z]+"}, None]   # not "bad"

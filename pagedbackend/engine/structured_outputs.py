@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -53,7 +54,9 @@ class GrammarState:
 
 class GrammarCompiler:
     """Per engine: the tokenizer's vocabulary for xgrammar (built on first use) and a cache of
-    compiled grammars, so a schema sent with every request is compiled once."""
+    compiled grammars, so a schema sent with every request is compiled once. `compile` may run
+    on another thread than the engine's (the Triton engine model compiles on its execute
+    thread, so a large schema does not stall the running batch): the cache is locked."""
 
     CACHE_SIZE = 64
 
@@ -63,6 +66,7 @@ class GrammarCompiler:
         self._stop_ids = sorted(set(stop_token_ids))
         self._compiler: Any = None
         self._cache: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
 
     def _xgrammar(self) -> Any:
         check(self._tokenizer is not None, "structured_outputs", "...",
@@ -72,34 +76,41 @@ class GrammarCompiler:
         except ImportError:
             check(False, "structured_outputs", "...",
                   "unset: this installation lacks the xgrammar package (pip install xgrammar)")
-        if self._compiler is None:
-            info = xgrammar.TokenizerInfo.from_huggingface(
-                self._tokenizer, vocab_size=self._vocab_size,
-                stop_token_ids=self._stop_ids or None)
-            self._compiler = xgrammar.GrammarCompiler(info)
+        with self._lock:
+            if self._compiler is None:
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self._vocab_size,
+                    stop_token_ids=self._stop_ids or None)
+                self._compiler = xgrammar.GrammarCompiler(info)
         return xgrammar
 
-    def state(self, spec: dict) -> GrammarState:
-        """A fresh GrammarState for a spec from check_spec(); a spec that does not compile raises
-        ValueError naming structured_outputs.<kind>."""
-        xgrammar = self._xgrammar()
+    def compile(self, spec: dict) -> Any:
+        """The compiled grammar of SamplingParams.structured_outputs, from the cache or built
+        now; one that does not compile raises ValueError naming structured_outputs.<kind>."""
+        self._xgrammar()
         (kind, value), = spec.items()
         key = (kind, json.dumps(value))
-        compiled = self._cache.get(key)
-        if compiled is None:
-            try:
-                compiled = self._compile(kind, value)
-            except (RuntimeError, ValueError) as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                first = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", first)   # "[time] file.cc:N: "
-                check(False, f"structured_outputs.{kind}", _short(value),
-                      f"a valid {_WHAT[kind]} ({first[:200]})")
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+        try:
+            compiled = self._compile(kind, value)
+        except (RuntimeError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", first)   # "[time] file.cc:N: "
+            check(False, f"structured_outputs.{kind}", _short(value),
+                  f"a valid {_WHAT[kind]} ({first[:200]})")
+        with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > self.CACHE_SIZE:
                 self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-        return GrammarState(xgrammar.GrammarMatcher(compiled))
+        return compiled
+
+    def state(self, spec: dict) -> GrammarState:
+        """A fresh GrammarState for a spec (compiled, or taken from the cache)."""
+        return GrammarState(self._xgrammar().GrammarMatcher(self.compile(spec)))
 
     def _compile(self, kind: str, value: Any) -> Any:
         c = self._compiler

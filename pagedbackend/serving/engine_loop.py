@@ -3,7 +3,9 @@ the only caller of Triton's send and of is_cancelled. Free of Triton imports, so
 with a fake engine and fake senders.
 
 Threading model:
-- `submit()` / `reject()` run on Triton's execute thread; they only enqueue.
+- `submit()` / `reject()` run on Triton's execute thread; they only enqueue, after compiling a
+  structured-output grammar (the engine's GrammarCompiler is thread-safe; the loop then finds
+  it in the cache).
 - The loop thread alone calls the engine (add_request, step, abort, stats) and alone owns `_live`
   (per-request state); it turns engine outputs into `Outgoing` items on the outbox.
 - The sender thread alone calls `send(handle, outgoing)`; it sends exactly one final per request,
@@ -113,6 +115,15 @@ class EngineLoop:
         if self._dead.is_set():
             self.reject(handle, "the engine has stopped; the model is unavailable", "unavailable")
             return
+        grammars = getattr(self.engine, "grammars", None)
+        if req.params.structured_outputs is not None and grammars is not None:
+            # compiled here, on the caller's thread, so that the loop finds it in the cache
+            # instead of stalling every running request while a large schema compiles
+            try:
+                grammars.compile(req.params.structured_outputs)
+            except ValueError as e:
+                self.reject(handle, str(e))
+                return
         rid = str(next(self._ids))
         with self._lock:
             self._handles[rid] = (handle, key)
