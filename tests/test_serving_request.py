@@ -61,7 +61,38 @@ def test_token_controls_from_tensors_json_and_request_parameters():
     assert r.params.logit_bias == {5: 1.0} and r.params.bad_words == ["oops"]
 
 
+def b(v):
+    return np.array([[v]], dtype=bool)
+
+
+def test_tensorrt_llm_extras():
+    r = parse_request({"text_input": s("x"), "end_id": i32(7), "pad_id": i32(0),
+                       "beam_width": i32(1), "num_return_sequences": i32(1),
+                       "length_penalty": f32(1.5), "return_log_probs": b(True),
+                       "guided_decoding_guide_type": s("json_schema"),
+                       "guided_decoding_guide": s('{"type": "object"}'),
+                       "stop_words": s("END")})
+    p = r.params
+    assert p.stop_token_ids == [7] and p.stop == ["END"] and p.logprobs == 0
+    assert p.structured_outputs == {"json": '{"type": "object"}'}
+    # perf/ensemble_input.json's neutral values change nothing
+    r = parse_request({"text_input": s("x"), "end_id": i32(-1), "return_log_probs": b(False),
+                       "guided_decoding_guide_type": s(""), "guided_decoding_guide": s("")})
+    assert r.params == parse_request({"text_input": s("x")}).params
+    for kind, guide, want in (("json", "", {"json_object": True}), ("regex", "[0-9]+",
+                              {"regex": "[0-9]+"}), ("ebnf_grammar", 'root ::= "a"',
+                              {"grammar": 'root ::= "a"'})):
+        r = parse_request({"text_input": s("x"), "guided_decoding_guide_type": s(kind),
+                           "guided_decoding_guide": s(guide)})
+        assert r.params.structured_outputs == want
+
+
 @pytest.mark.parametrize("inputs, field", [
+    ({"beam_width": i32(4)}, "beam_width=4"),
+    ({"num_return_sequences": i32(2)}, "num_return_sequences=2"),
+    ({"guided_decoding_guide_type": s("structural_tag")}, "guided_decoding_guide_type"),
+    ({"guided_decoding_guide_type": s("regex")}, "guided_decoding_guide is missing"),
+    ({"end_id": f32(2.0)}, "end_id"),
     ({"sampling_parameters": s('{"logit_bias": [1]}')}, "logit_bias"),
     ({"sampling_parameters": s('{"logit_bias": {"1": "lots"}}')}, "logit_bias[1]"),
     ({"sampling_parameters": s('{"allowed_token_ids": "none"}')}, "allowed_token_ids"),

@@ -203,6 +203,28 @@ def test_prompt_logprobs_output(triton, tokenizer):  # noqa: F811
     assert plain["prompt_logprobs"] == ""
 
 
+def test_tensorrt_llm_client_tensors(triton, tokenizer):  # noqa: F811
+    """end_id, return_log_probs, guided decoding and beam_width as TensorRT-LLM's clients send
+    them (generate endpoint: JSON fields become the tensors of those names)."""
+    prompt = chat(tokenizer, FRANCE)
+    paris = tokenizer.encode(" Paris", add_special_tokens=False)[0]
+    gen = lambda **kw: http_post(triton, "/v2/models/ensemble/generate",
+                                 {"text_input": prompt, "max_tokens": 24, "temperature": 0, **kw})
+    status, raw = gen(end_id=paris, return_log_probs=True)
+    assert status == 200, raw
+    out = json.loads(raw)
+    # a stop token, as vLLM's stop_token_ids: it ends the output and stays in it (TensorRT-LLM's
+    # usual end_id, the EOS, is a special token and stays out of the text)
+    assert out["text_output"] == "The capital of France is Paris"
+    assert out["finish_reason"] == "stop"
+    assert len(json.loads(out["logprobs"])) == out["num_output_tokens"]
+    status, raw = gen(guided_decoding_guide_type="json_schema", guided_decoding_guide=json.dumps(
+        {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}))
+    assert status == 200 and set(json.loads(json.loads(raw)["text_output"])) == {"city"}
+    status, raw = gen(beam_width=2)
+    assert status == 400 and "beam_width=2" in json.loads(raw)["error"]
+
+
 def test_exclude_input_in_output_false_echoes_the_prompt(triton):  # noqa: F811
     with grpc(triton) as c:
         plain = c.generate("The sky is", max_tokens=4, temperature=0.0)

@@ -104,6 +104,7 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]],
         fields["stop"] = [s for s in _strings(inputs["stop_words"], "stop_words") if s]
     if "bad_words" in inputs:
         fields["bad_words"] = [s for s in _strings(inputs["bad_words"], "bad_words") if s]
+    _trtllm_extras(inputs, fields)
     if "cache_salt" in inputs:
         cache_salt = one_string(inputs["cache_salt"], "cache_salt") or None
 
@@ -123,6 +124,47 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]],
                          stream=bool(flags["stream"]),
                          exclude_input_in_output=bool(flags["exclude_input_in_output"]),
                          priority=int(flags["priority"]), cache_salt=cache_salt)
+
+
+# TensorRT-LLM's guided decoding types -> SamplingParams.structured_outputs kinds.
+GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex",
+               "ebnf_grammar": "grammar"}
+
+
+def _trtllm_extras(inputs: Mapping[str, np.ndarray], fields: dict) -> None:
+    """TensorRT-LLM's other client tensors, so its clients' requests work as they are:
+    `end_id` (one more stop token, kept in the output as vLLM's stop_token_ids are unless it is
+    a special token such as the EOS; < 0: none), `return_log_probs` (each token's logprob in the
+    `logprobs` output), `guided_decoding_guide_type` + `guided_decoding_guide`; `beam_width` and
+    `num_return_sequences` must be 1; `pad_id` and `length_penalty` (which act only on padded
+    batches and beams) are accepted and change nothing."""
+    if "end_id" in inputs:
+        end = _scalar(inputs["end_id"], "end_id", "i")
+        if end >= 0:
+            fields["stop_token_ids"] = [*fields.get("stop_token_ids", []), end]
+    for name in ("beam_width", "num_return_sequences"):
+        if name in inputs and _scalar(inputs[name], name, "i") != 1:
+            raise RequestError(f"{name}={_scalar(inputs[name], name, 'i')} is invalid: must be 1 "
+                               "(one sequence per request, no beam search)")
+    if "pad_id" in inputs:
+        _scalar(inputs["pad_id"], "pad_id", "i")
+    if "length_penalty" in inputs:
+        _scalar(inputs["length_penalty"], "length_penalty", "f")
+    if "return_log_probs" in inputs and _scalar(inputs["return_log_probs"], "return_log_probs",
+                                                "b"):
+        fields.setdefault("logprobs", 0)
+    kind = one_string(inputs["guided_decoding_guide_type"], "guided_decoding_guide_type") \
+        if "guided_decoding_guide_type" in inputs else ""
+    if kind:
+        if kind not in GUIDE_TYPES:
+            raise RequestError(f"guided_decoding_guide_type={kind!r} is invalid: must be one of "
+                               f"{', '.join(GUIDE_TYPES)}")
+        guide = one_string(inputs["guided_decoding_guide"], "guided_decoding_guide") \
+            if "guided_decoding_guide" in inputs else ""
+        if kind != "json" and not guide:
+            raise RequestError(f"guided_decoding_guide is missing: guided_decoding_guide_type="
+                               f"{kind!r} needs one")
+        fields["structured_outputs"] = {GUIDE_TYPES[kind]: True if kind == "json" else guide}
 
 
 def check_single_batch(inputs: Mapping[str, Optional[np.ndarray]]) -> None:
