@@ -42,6 +42,8 @@ for s in $stages; do
     correctness16) run correctness16 200 "$base_py" perf/gpu_correctness.py --dtypes bfloat16 ;;
     # bf16 with an fp8 KV cache: how far greedy output still follows transformers
     correctnessfp8) run correctnessfp8 200 "$base_py" perf/gpu_correctness.py --dtypes bfloat16 --kv-cache-dtype fp8 ;;
+    # prompt_logprobs, logit_bias and allowed_token_ids with CUDA graphs and async scheduling on
+    features) run features 200 "$base_py" perf/gpu_features.py ;;
     w1) run w1 150 python3 perf/w1_decode.py --profile ;;
     # W1, then in the same process (same tile choices) without PDL and without the skinny GEMM
     w1ab) run w1ab 300 python3 perf/w1_decode.py --profile --ab nopdl,cublas ;;
