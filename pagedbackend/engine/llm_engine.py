@@ -14,9 +14,9 @@ from pagedbackend.config import EngineConfig, check
 from pagedbackend.core.kv_cache_manager import KVCacheManager
 from pagedbackend.core.request import Request, RequestStatus
 from pagedbackend.core.scheduler import Scheduler
+from pagedbackend.engine.model_files import load_model_files
 from pagedbackend.engine.output_processor import OutputProcessor
 from pagedbackend.engine.structured_outputs import GrammarCompiler
-from pagedbackend.engine.model_files import load_model_files
 from pagedbackend.outputs import RequestOutput
 from pagedbackend.sampling_params import SamplingParams
 
