@@ -263,3 +263,18 @@ def test_dummy_weights_from_config_only(tmp_path, llama_dir):
     out = llm.generate({"prompt_token_ids": [1, 2, 3]},
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_llm_takes_vllm_call_shapes(llama_dir):
+    """Scripts written for vLLM's LLM run: use_tqdm, trust_remote_code, chat's template flags;
+    an argument this engine does not know is a ValueError naming it."""
+    llm = LLM(llama_dir, dtype="float32", block_size=4, num_kv_blocks=64,
+              trust_remote_code=True, disable_log_stats=True)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    a = llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, greedy, use_tqdm=False)
+    b = llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, greedy, use_tqdm=True)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    with pytest.raises(ValueError, match=r"^swap_space=4 is invalid: must be an engine setting"):
+        LLM(llama_dir, swap_space=4)
+    with pytest.raises(ValueError, match="^continue_final_message="):
+        llm.chat([{"role": "user", "content": "hi"}], greedy, continue_final_message=True)

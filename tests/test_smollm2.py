@@ -193,3 +193,10 @@ def test_structured_outputs_async_equal_sync_and_bad_grammars_name_the_field(smo
     assert not asy.engine.has_unfinished()
     assert asy.chat(QUESTION, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text \
         .startswith("The capital of France is Paris")
+
+
+def test_chat_continues_the_final_message(llm):
+    start = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    out = llm.chat(start, SamplingParams(temperature=0, max_tokens=8),
+                   add_generation_prompt=False, continue_final_message=True, use_tqdm=False)
+    assert out[0].outputs[0].text.startswith(" Paris")
