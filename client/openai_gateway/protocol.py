@@ -174,8 +174,6 @@ def _structured_outputs(body: dict) -> tuple[Optional[dict], str]:
     for name, kind in _GUIDED.items():
         if body.get(name) is not None:
             found.append(({kind: body[name]}, name))
-    if body.get("guided_json_object") is not None:
-        found.append(({"json_object": body["guided_json_object"]}, "guided_json_object"))
     if len(found) > 1:
         names = ", ".join(source for _, source in found)
         raise bad_request(f"{names}: at most one way of structuring the output may be given",
