@@ -13,6 +13,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # auto: the model's dtype; fp8 (= fp8_e4m3): the KV cache in float8 e4m3 with a scale of 1
 # (vLLM's names and default scaling), half the bytes per token
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# fp8: the linear layers' weights quantized to float8 e4m3 at start, one scale per output
+# channel, inputs per token (layers/quantization.py); None: the weights as loaded
+QUANTIZATIONS = ("fp8",)
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
@@ -30,6 +33,7 @@ class EngineConfig:
     tokenizer: Optional[str] = None          # defaults to `model`
     dtype: str = "auto"                      # auto: bf16 on cuda and on bf16-capable CPUs, else f32
     kv_cache_dtype: str = "auto"             # see KV_CACHE_DTYPES
+    quantization: Optional[str] = None       # see QUANTIZATIONS
     device: str = "auto"                     # auto: cuda if available, else cpu
     max_model_len: Optional[int] = None      # defaults to the model's max_position_embeddings
     block_size: int = 16
@@ -57,6 +61,8 @@ class EngineConfig:
         check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
         check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
               f"one of {KV_CACHE_DTYPES}")
+        check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
+              self.quantization, f"None or one of {QUANTIZATIONS}")
         check(self.device in DEVICES, "device", self.device, f"one of {DEVICES}")
         check(self.max_model_len is None or _is_int(self.max_model_len) and self.max_model_len >= 1,
               "max_model_len", self.max_model_len, "an integer >= 1")

@@ -76,7 +76,7 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
 
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
            "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, ropekernel, oldtiles, "
-           "eagerprefill, decode3, gridorder, fp8kv, fp8n64, nopdl, cublas; default "
+           "eagerprefill, decode3, gridorder, fp8kv, fp8n64, fp8w, nopdl, cublas; default "
            "runs the default again (perf/common.run_variants)")
 
 
@@ -92,7 +92,8 @@ def run_variants(names: str, make_llm, body) -> None:
     before the sweep of 2026-12-03: 128 x 64 with 8 warps), decode3 (decode attention with 3
     pipeline stages instead of 2), gridorder (decode attention starts its programs in grid
     order, not the longest sequences first), fp8kv (make_llm(kv_cache_dtype="fp8")), fp8n64
-    (an fp8 cache's decode tile of 64 tokens, as bf16's, not decode.FP8_BLOCK_N),
+    (an fp8 cache's decode tile of 64 tokens, as bf16's, not decode.FP8_BLOCK_N), fp8w
+    (make_llm(quantization="fp8"): the linear layers' weights in e4m3),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". "default" undoes every switch and runs the
     default again (label "default-again", then "default-again-2", ...): an A-B-A order shows
@@ -111,11 +112,11 @@ def run_variants(names: str, make_llm, body) -> None:
                      if v.startswith(p) and v[len(p):].isdigit()), v)
     for name in variants:
         if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "ropekernel", "eagerprefill",
-                              "oldtiles", "decode3", "gridorder", "fp8kv", "fp8n64",
+                              "oldtiles", "decode3", "gridorder", "fp8kv", "fp8n64", "fp8w",
                               "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, mbt<N>, "
                              "ropekernel, eagerprefill, oldtiles, decode3, gridorder, fp8kv, "
-                             "fp8n64, nopdl, cublas or default")
+                             "fp8n64, fp8w, nopdl, cublas or default")
     steps, active, again = [("default", None)], [], 0
     for v in variants:
         if v == "default":      # later re-runs numbered: labels name the result files
@@ -158,6 +159,8 @@ def run_variants(names: str, make_llm, body) -> None:
             decode.FP8_BLOCK_N = 64
         elif switch == "fp8kv":
             overrides["kv_cache_dtype"] = "fp8"
+        elif switch == "fp8w":
+            overrides["quantization"] = "fp8"
         elif switch == "decode3":
             new_decode = decode.decode_config
             decode.decode_config = lambda d, *kv: {**new_decode(d, *kv), "num_stages": 3}

@@ -25,7 +25,8 @@ def hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def check(arch: str, dtype: str, n: int = 256, kv_cache_dtype: str = "auto") -> dict:
+def check(arch: str, dtype: str, n: int = 256, kv_cache_dtype: str = "auto",
+          quantization: str | None = None) -> dict:
     from pagedbackend import LLM, SamplingParams
     from pagedbackend.testing import make_hf_checkpoint
     d = tempfile.mkdtemp()
@@ -36,7 +37,7 @@ def check(arch: str, dtype: str, n: int = 256, kv_cache_dtype: str = "auto") -> 
     prompts = [[rng.randrange(1, 1024) for _ in range(rng.randrange(3, 300))] for _ in range(8)]
     # max_num_seqs=8: four decode graphs to capture per engine, not thirty
     llm = LLM(d, dtype=dtype, block_size=16, max_model_len=1024, max_num_seqs=8,
-              kv_cache_dtype=kv_cache_dtype)
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     batch = [o.outputs[0].token_ids for o in
              llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
@@ -50,6 +51,7 @@ def check(arch: str, dtype: str, n: int = 256, kv_cache_dtype: str = "auto") -> 
 
     first_div = [agree(a, b) for a, b in zip(batch, ref)]
     res = {"arch": arch, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
+           "quantization": quantization,
            "first32_identical": all(x >= 32 for x in first_div),
            "min_agree_prefix": min(first_div), "mean_agree_prefix_of_256": sum(first_div) / 8,
            "batch_vs_alone_identical": batch == alone,
@@ -65,18 +67,22 @@ def main():
     ap.add_argument("--dtypes", default="float32,bfloat16",
                     help="comma-separated; fp32 alone is where all 256 tokens must agree")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
+    ap.add_argument("--quantization", default=None,
+                    help="fp8: our weights in e4m3 (transformers keeps the model's dtype)")
     a = ap.parse_args()
     dtypes = a.dtypes.split(",")
     rows = []
     for dtype in dtypes:
         for arch in ("llama", "qwen2", "qwen3", "mistral"):
             try:
-                rows.append(check(arch, dtype, kv_cache_dtype=a.kv_cache_dtype))
+                rows.append(check(arch, dtype, kv_cache_dtype=a.kv_cache_dtype,
+                                  quantization=a.quantization))
             except Exception as e:  # report and go on: one broken arch must not hide the rest
                 rows.append({"arch": arch, "dtype": dtype, "error": repr(e)[:200]})
             print("correctness row:", rows[-1], flush=True)   # kept if the stage is cut short
     suffix = "-".join(([] if len(dtypes) > 1 else dtypes)
-                      + ([] if a.kv_cache_dtype == "auto" else [a.kv_cache_dtype + "kv"]))
+                      + ([] if a.kv_cache_dtype == "auto" else [a.kv_cache_dtype + "kv"])
+                      + ([a.quantization + "w"] if a.quantization else []))
     write_result("gpu-correctness", "tiny-random", {"rows": rows}, suffix)
     print_table(rows, "GPU correctness (greedy vs transformers)")
 

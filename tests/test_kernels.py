@@ -491,6 +491,80 @@ def test_skinny_silu_linear_matches_activation_then_linear(dtype):
             assert rel_err(y, ref) < 2 * REL_TOL[dtype], (cfg, m)
 
 
+def fp8_weight(n, k):
+    """A random [n, k] weight quantized as quantization="fp8" does: (e4m3, per-row scale, the
+    dequantized weight in fp32 that the kernel must multiply by)."""
+    from pagedbackend.layers.quantization import dequantize, quantize_weight_fp8
+    wq, s = quantize_weight_fp8(torch.randn(n, k, device=DEV) / k ** 0.5)
+    assert wq.dtype == torch.float8_e4m3fn and s.shape == (n,)
+    return wq, s, dequantize(wq, s, torch.float32)
+
+
+@pytest.mark.parametrize("cfg", [(16, 512, 4, 3), (8, 1024, 4, 5), (32, 256, 4, 4, True)],
+                         ids=["fma", "fma-fp8tile", "dot"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_skinny_linear_fp8_weights_matches_the_dequantized_weight(cfg, dtype):
+    """quantization="fp8": the kernel reads e4m3 weights and multiplies the finished products by
+    the per-channel scale; the input stays in 16 bits (the tensor-core tile rounds it to fp16),
+    so the result is the matmul on the dequantized weight, in every prologue."""
+    from pagedbackend.kernels.gemv import ADD_NORM, SILU_MUL, skinny_linear
+    n, k = (6144, 4096) if CUDA else (48, 200)
+    dot = len(cfg) > 4
+    # a dot tile rounds the input to fp16 (10 mantissa bits): a bf16 product's error
+    tol = REL_TOL[torch.bfloat16] if dot else REL_TOL[dtype]
+    for m in (1, 3):
+        wq, s, w = fp8_weight(n, k)
+        x = torch.randn(m, k, device=DEV).to(dtype)
+        b = torch.randn(n, device=DEV).to(dtype) if m == 3 else None
+        y = skinny_linear(x, wq, b, cfg, weight_scale=s)
+        assert y.shape == (m, n) and y.dtype == dtype
+        ref = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
+        assert rel_err(y, ref) < tol, m
+        # the residual add + RMSNorm prologue
+        r = torch.randn(m, k, device=DEV).to(dtype)
+        g = (1 + 0.5 * torch.randn(k, device=DEV)).to(dtype)
+        y, r_out = skinny_linear(x, wq, None, cfg, ADD_NORM, r, g, 1e-5, s)
+        h = torch_norm.fused_add_rms_norm_torch(x, r, g, 1e-5)[0]
+        assert rel_err(y, torch.nn.functional.linear(h.float(), w)) < 2 * tol, m
+        assert rel_err(r_out, x.float() + r.float()) < EXACTISH[dtype]
+        # SiLU(gate) * up before the matmul (gate|up of width 2k)
+        gate_up = torch.randn(m, 2 * k, device=DEV).to(dtype)
+        y = skinny_linear(gate_up, wq, None, cfg, SILU_MUL, weight_scale=s)
+        act = torch_act.silu_and_mul_torch(gate_up)
+        assert rel_err(y, torch.nn.functional.linear(act.float(), w)) < 2 * tol, m
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_rows_fp8_matches_reference(dtype):
+    """The input of an FP8 matmul: each row scaled so its largest magnitude is 448, rounded to
+    e4m3; an all-zero row gets the smallest scale and zeros (not 0/0)."""
+    from pagedbackend.kernels.quant import quantize_rows_fp8
+    from pagedbackend.layers.quantization import MIN_SCALE
+    from pagedbackend.layers.quantization import quantize_rows_fp8 as reference
+    k = 4096 if CUDA else 200
+    x = (torch.randn(7, k, device=DEV) * torch.logspace(-3, 3, 7, device=DEV)[:, None]).to(dtype)
+    x[4] = 0
+    q, s = quantize_rows_fp8(x)
+    q_ref, s_ref = reference(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (7, 1) and s.dtype == torch.float32
+    assert torch.allclose(s, s_ref, rtol=1e-6) and s[4].item() == pytest.approx(MIN_SCALE)
+    assert (q[4].float() == 0).all()
+    got, want = q.float(), q_ref.float()
+    if CUDA:
+        # the division may round differently by an ulp of fp32: at most one e4m3 step apart
+        diff = (got - want).abs()
+        assert (diff <= want.abs() / 8 + 1e-6).all() and (diff > 0).float().mean() < 0.01
+    else:
+        # the interpreter's fp32 -> e4m3 conversion drops the carry when rounding up reaches the
+        # next power of two (124.3 -> 64, not 128); other values at most one e4m3 step apart
+        off = got != want
+        assert off.float().mean() < 0.1
+        g, w = got[off], want[off]
+        carry = (w.abs() == torch.exp2(torch.log2(w.abs()).round())) & (g == w / 2)
+        assert (carry | ((g - w).abs() <= w.abs() / 8)).all()
+    assert q.float().abs().amax(dim=1)[[0, 1, 2, 3, 5, 6]].eq(448).all()
+
+
 @pytest.mark.skipif(not CUDA, reason="the layers dispatch to the kernels on CUDA only")
 def test_layers_run_the_norm_and_activation_inside_the_skinny_matmul():
     """norm_linear / forward_silu_mul on CUDA take the fused kernels where the skinny tile is
@@ -508,7 +582,7 @@ def test_layers_run_the_norm_and_activation_inside_the_skinny_matmul():
     for rows in (1, 3):
         for w, kind in ((proj.weight, gemv.ADD_NORM), (down.weight, gemv.SILU_MUL)):
             # make the skinny tile the choice
-            key = (w.device.index, gemv.rows_bucket(rows), *w.shape, dt, kind)
+            key = (w.device.index, gemv.rows_bucket(rows), *w.shape, dt, w.dtype, kind)
             gemv_tuning._CHOICE[key] = (16, 512, 4, 3)
         x, r = torch.randn(rows, h, device=DEV, dtype=dt), torch.randn(rows, h, device=DEV, dtype=dt)
         y, new_r = norm_linear(x, r, norm, proj)
@@ -612,8 +686,9 @@ def test_compile_watch_records_only_while_armed(monkeypatch):
 
 
 @pytest.mark.skipif(not CUDA, reason="the interpreter compiles nothing")
-@pytest.mark.parametrize("eager", [False, True])
-def test_no_kernel_compiles_after_warmup(tmp_path, eager):
+@pytest.mark.parametrize("eager,quantization", [(False, None), (True, None), (False, "fp8")],
+                         ids=["graphs", "eager", "graphs-fp8"])
+def test_no_kernel_compiles_after_warmup(tmp_path, eager, quantization):
     """Requests arriving while others decode (mixed steps of every size, contexts from 1 to ~900
     tokens, block-table widths 1 to 60, prefix hits), then a burst wider than one (sequence,
     kv head) per SM: every kernel variant they need was built by the engine's warm-up, so
@@ -630,7 +705,8 @@ def test_no_kernel_compiles_after_warmup(tmp_path, eager):
                max_position_embeddings=2048)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     llm = LLM(str(tmp_path), dtype="bfloat16", max_num_seqs=160, max_model_len=1024,
-              num_kv_blocks=4096, enforce_eager=eager, load_format="dummy")
+              num_kv_blocks=4096, enforce_eager=eager, load_format="dummy",
+              quantization=quantization)
     engine = llm.engine
     before = len(COMPILES.after_arm)
     rng = random.Random(7)

@@ -98,6 +98,12 @@ def test_fp8kv_builds_the_next_engines_with_an_fp8_cache(perf_module):
     assert seen == [("default", {}, start), ("fp8kv", fp8, start), ("fp8kv-fp8n64", fp8, 64),
                     ("fp8kv-fp8n64-mbt2048", {**fp8, "max_num_batched_tokens": 2048}, 64),
                     ("default-again", {}, start)]
+    # fp8w (fp8 weights) is one too, and combines with fp8kv
+    seen.clear()
+    perf.run_variants("fp8w,fp8kv", FakeLLM, lambda llm, label: seen.append((label, llm.overrides,
+                                                                             0)))
+    assert seen == [("default", {}, 0), ("fp8w", {"quantization": "fp8"}, 0),
+                    ("fp8w-fp8kv", {"quantization": "fp8", **fp8}, 0)]
 
 
 def test_without_variants_no_switch_module_is_needed(perf_module, monkeypatch):

@@ -64,6 +64,14 @@ def test_engine_config_from_parameters():
         engine_config({"model": "x", "kv_cache_dtype": "fp4"}, Path("/"))
     shipped = (Path(__file__).parents[1] / "model_repository/engine/config.pbtxt").read_text()
     assert 'key: "kv_cache_dtype" value: { string_value: "auto" }' in shipped
+    # fp8 weights: the shipped value is empty (the weights as loaded)
+    assert engine_config({"model": "x", "quantization": "fp8"}, Path("/")).quantization == "fp8"
+    assert engine_config(parameters_of({"parameters": {
+        "model": {"string_value": "x"}, "quantization": {"string_value": ""}}}),
+        Path("/")).quantization is None
+    with pytest.raises(ValueError, match=r"^quantization='awq' is invalid"):
+        engine_config({"model": "x", "quantization": "awq"}, Path("/"))
+    assert 'key: "quantization" value: { string_value: "" }' in shipped
 
 
 def test_wait_ready_waits_for_the_metrics_endpoint_too():

@@ -36,6 +36,9 @@ CANDIDATES = ((8, 1024, 4, 3), (16, 512, 4, 3), (16, 512, 4, 4), (32, 256, 4, 4)
 # still scales the finished products). Marked by a fifth element.
 DOT_CANDIDATES = ((16, 256, 4, 4, True), (32, 256, 4, 4, True), (64, 128, 4, 4, True),
                   (32, 128, 4, 6, True))
+# Extra tiles tried for fp8 weights (quantization="fp8"), whose tiles carry half the bytes of
+# bf16 ones: deeper pipelines keep as many bytes in flight.
+FP8_CANDIDATES = ((8, 1024, 4, 5), (16, 512, 4, 6), (4, 2048, 4, 4), (8, 1024, 8, 4))
 # The tensor-core tiles compute any row count up to this (BLOCK_M = rows rounded up to a power
 # of two, at least 16); the engine hands the kernel at most MAX_ROWS. perf/gemm_bench.py
 # --triton times them against cuBLAS at wider steps, in bf16: in fp32 a 64-row input tile of
@@ -79,10 +82,11 @@ def _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K,
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, N, K,
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, N, K,
                    stride_xm, stride_wn, stride_ym, stride_rm, stride_rom, prefetch_programs,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                   EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
                    USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
@@ -126,7 +130,10 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, 
             w = tl.load(w_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0,
                         eviction_policy="evict_first")
         if USE_DOT:
-            acc2 += mma(x.to(w.dtype), tl.trans(w), PRECISION)
+            if HAS_SCALE:   # fp8 weights: e4m3 widens to fp16 in one conversion (bf16: two)
+                acc2 += mma(x.to(tl.float16), tl.trans(w.to(tl.float16)), PRECISION)
+            else:
+                acc2 += mma(x.to(w.dtype), tl.trans(w), PRECISION)
         elif BLOCK_M == 1:
             acc1 += tl.sum(x, axis=0)[None, :] * w.to(tl.float32)
         else:
@@ -139,6 +146,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, 
         y = tl.sum(acc, axis=2)                                         # [BLOCK_M, BLOCK_N]
     if PROLOGUE == 1 or PROLOGUE == 2:
         y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
+    if HAS_SCALE:
+        y = y * tl.load(s_ptr + n, mask=n < N, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
@@ -152,10 +161,13 @@ def rows_bucket(m: int) -> int:
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   config: tuple, prologue: int = PLAIN,
                   residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                  eps: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  eps: float = 0.0, weight_scale: torch.Tensor | None = None
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (M <= MAX_ROWS, or MAX_DOT_ROWS with a DOT_CANDIDATES tile; rows contiguous),
     weight [N, K] contiguous, bias [N] or None -> [M, N] in x's dtype, with one of CANDIDATES
-    or DOT_CANDIDATES as the tile.
+    or DOT_CANDIDATES as the tile. With weight_scale [N] (fp32) the weight is float8 e4m3 and
+    y = x @ (weight * weight_scale[:, None]).T: the input stays in 16 bits (the tensor-core
+    tiles round it to fp16), the scale multiplies the finished products.
 
     prologue NORM: y = rms_norm(x, norm_weight, eps) @ W.T; ADD_NORM: the same over x + residual,
     returning (y, x + residual); SILU_MUL: x is [M, 2K] holding gate | up and
@@ -167,6 +179,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert 1 <= m <= (MAX_DOT_ROWS if use_dot else MAX_ROWS) and x.stride(1) == 1
     assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     assert weight.is_contiguous() and (bias is None or bias.is_contiguous())
+    assert (weight_scale is not None) == (weight.dtype == torch.float8_e4m3fn)
+    assert weight_scale is None or weight_scale.shape == (n,) and weight_scale.is_contiguous()
     block_m = max(16, rows_bucket(m)) if use_dot else rows_bucket(m)
     block_k = min(block_k1 if use_dot else max(block_k1 // block_m, 16),
                   max(triton.next_power_of_2(k), 16))
@@ -182,11 +196,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     pf = prefetch_programs(weight, block_n * k * weight.element_size(), prologue == PLAIN) \
         if even_n else 0
     _skinny_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, r, r_out,
+        x, weight, bias if bias is not None else weight,
+        weight_scale if weight_scale is not None else weight, y, r, r_out,
         norm_weight if norm_weight is not None else weight, eps, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0), r.stride(0), r_out.stride(0), pf,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        EVEN_N=even_n, EVEN_K=k % block_k == 0, PROLOGUE=prologue, PREFETCH=pf > 0,
-        USE_DOT=use_dot, PRECISION=dot_precision(weight.dtype), num_warps=warps,
+        HAS_SCALE=weight_scale is not None, EVEN_N=even_n, EVEN_K=k % block_k == 0,
+        PROLOGUE=prologue, PREFETCH=pf > 0,
+        USE_DOT=use_dot, PRECISION=dot_precision(x.dtype), num_warps=warps,
         num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y

@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from pagedbackend.kernels.gemv import (ADD_NORM, CANDIDATES, DOT_CANDIDATES, MAX_ROWS, NORM,
-                                       PLAIN, SILU_MUL, rows_bucket, skinny_linear)
+from pagedbackend.kernels.gemv import (ADD_NORM, CANDIDATES, DOT_CANDIDATES, FP8_CANDIDATES,
+                                       MAX_ROWS, NORM, PLAIN, SILU_MUL, rows_bucket,
+                                       skinny_linear)
+from pagedbackend.layers.quantization import dequantize, fp8_linear
 
 logger = logging.getLogger("pagedbackend")
 
@@ -31,7 +33,8 @@ ENABLED = os.environ.get("PAGEDBACKEND_SKINNY_GEMM", "1") != "0"
 # overlap in the decode graphs, lost 0.9% on W5's requests (H200, perf/RESULTS.md call 36).
 
 
-# (device index, rows bucket, N, K, dtype, prologue) -> the chosen config, or None for cuBLAS.
+# (device index, rows bucket, N, K, dtype, weight dtype, prologue) -> the chosen config, or None
+# for cuBLAS.
 # NORM (the first layer's, no residual) shares ADD_NORM's entry.
 _CHOICE: dict[tuple, tuple | None] = {}
 
@@ -85,47 +88,61 @@ def _pattern(rows: int, k: int, phase: float, dtype, device) -> torch.Tensor:
     return xs.view(rows, k).to(dtype)
 
 
-def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int):
+def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int,
+          scale: torch.Tensor | None = None):
     """The fastest tile for the kernel with this prologue, kept only if it beats what it
-    replaces: cuBLAS, after the separate norm / activation kernel if any. Every tile is timed
-    in its fused form (a tile's register and load pattern changes with the prologue: the
-    fastest plain tile lost gate|up's fused form on the H200 where a wider one might not)."""
+    replaces: cuBLAS, after the separate norm / activation kernel if any (with fp8 weights,
+    `scale`: the input's quantization and cuBLASLt's FP8 GEMM). Every tile is timed in its
+    fused form (a tile's register and load pattern changes with the prologue: the fastest
+    plain tile lost gate|up's fused form on the H200 where a wider one might not)."""
     from pagedbackend.layers.activation import silu_and_mul
     from pagedbackend.layers.norm import fused_add_rms_norm
     n, k = weight.shape
     rows = rows_bucket(x.shape[0])
     dt, dev = x.dtype, x.device
     xs = _pattern(rows, k, 0.0, dt, dev)
+
+    # the reference a tile must agree with: the same matmul on the weight the layer stands for
+    # (with fp8 weights, the dequantized weight: cuBLASLt's FP8 GEMM also quantizes the input)
+    exact = weight if scale is None else dequantize(weight, scale, dt)
+
+    def matmul(a, reference=False):
+        if scale is None or reference:
+            return F.linear(a, exact, bias)
+        return fp8_linear(a, weight, scale, bias)
+
     if prologue == ADD_NORM:
         what = "rms_norm+"
         rs, g = _pattern(rows, k, 1.0, dt, dev), _pattern(1, k, 2.0, dt, dev).view(k).add_(1)
 
-        def baseline():
-            return F.linear(fused_add_rms_norm(xs, rs, g, 1e-6)[0], weight, bias)
+        def baseline(reference):
+            return matmul(fused_add_rms_norm(xs, rs, g, 1e-6)[0], reference)
 
         def kernel(cfg):
-            return skinny_linear(xs, weight, bias, cfg, ADD_NORM, rs, g, 1e-6)[0]
+            return skinny_linear(xs, weight, bias, cfg, ADD_NORM, rs, g, 1e-6, scale)[0]
     elif prologue == SILU_MUL:
         what = "silu_mul+"
         gu = _pattern(rows, 2 * k, 1.0, dt, dev)
 
-        def baseline():
-            return F.linear(silu_and_mul(gu), weight, bias)
+        def baseline(reference):
+            return matmul(silu_and_mul(gu), reference)
 
         def kernel(cfg):
-            return skinny_linear(gu, weight, bias, cfg, SILU_MUL)
+            return skinny_linear(gu, weight, bias, cfg, SILU_MUL, weight_scale=scale)
     else:
         what = "plain"
 
-        def baseline():
-            return F.linear(xs, weight, bias)
+        def baseline(reference):
+            return matmul(xs, reference)
 
         def kernel(cfg):
-            return skinny_linear(xs, weight, bias, cfg)
-    ref = baseline().float()
-    base = _time_us(baseline)
+            return skinny_linear(xs, weight, bias, cfg, weight_scale=scale)
+    ref = baseline(True).float()
+    base = _time_us(lambda: baseline(False))
     best, best_us = None, float("inf")
-    for cfg in CANDIDATES + (DOT_CANDIDATES if rows > 1 else ()):
+    tiles = CANDIDATES + (FP8_CANDIDATES if scale is not None else ()) \
+        + (DOT_CANDIDATES if rows > 1 else ())
+    for cfg in tiles:
         try:
             # a tile that is wrong here (e.g. a miscompile) or fails is never chosen; the
             # fused norm skips one bf16 rounding, hence the tolerance
@@ -142,14 +159,14 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
     if best is not None and best_us >= base * MARGIN:
         best = None
     logger.info("skinny GEMM rows<=%d N=%d K=%d %s %s: cuBLAS %.1f us, %s", rows, n, k,
-                str(dt).replace("torch.", ""), what, base,
+                str(weight.dtype).replace("torch.", ""), what, base,
                 f"triton {best} {best_us:.1f} us (chosen)" if best
                 else f"kept cuBLAS (best triton {best_us:.1f} us)")
     return best
 
 
 def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            prologue: int = PLAIN) -> tuple | None:
+            prologue: int = PLAIN, scale: torch.Tensor | None = None) -> tuple | None:
     """The tile measured faster than cuBLAS for this (rows, weight, prologue), or None for
     cuBLAS."""
     k_in = 2 * weight.shape[1] if prologue == SILU_MUL else weight.shape[1]
@@ -157,41 +174,44 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             or not weight.is_contiguous() or x.shape[1] != k_in:
         return None
     kind = ADD_NORM if prologue == NORM else prologue
-    key = (x.device.index, rows_bucket(x.shape[0]), *weight.shape, x.dtype, kind)
+    key = (x.device.index, rows_bucket(x.shape[0]), *weight.shape, x.dtype, weight.dtype, kind)
     if key not in _CHOICE:
         if torch.cuda.is_current_stream_capturing():
             return None
-        _CHOICE[key] = _tune(x, weight, bias, kind)
+        _CHOICE[key] = _tune(x, weight, bias, kind, scale)
     return _CHOICE[key]
 
 
-def maybe_skinny_linear(x: torch.Tensor, weight: torch.Tensor,
-                        bias: torch.Tensor | None) -> torch.Tensor | None:
+def maybe_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """The skinny kernel's result where it was measured faster than cuBLAS for this shape, else
-    None (the caller runs F.linear). An unseen shape is tuned here unless a CUDA graph is being
-    captured (then cuBLAS, until an eager step of that shape has run)."""
-    cfg = _choice(x, weight, bias)
-    return None if cfg is None else skinny_linear(x, weight, bias, cfg)
+    None (the caller runs F.linear, or the FP8 GEMM with `scale`). An unseen shape is tuned
+    here unless a CUDA graph is being captured (then cuBLAS, until an eager step of that shape
+    has run)."""
+    cfg = _choice(x, weight, bias, PLAIN, scale)
+    return None if cfg is None else skinny_linear(x, weight, bias, cfg, weight_scale=scale)
 
 
 def maybe_skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
                              norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                             bias: torch.Tensor | None):
+                             bias: torch.Tensor | None, scale: torch.Tensor | None = None):
     """(rms_norm(x [+ residual]) @ W.T + b, the new residual) in one kernel where the skinny
     kernel was chosen for W's shape, else None. Without residual the new residual is x."""
     if norm_weight.dtype != x.dtype or (
             residual is not None and (residual.dtype != x.dtype or residual.stride(1) != 1)):
         return None
-    cfg = _choice(x, weight, bias, ADD_NORM)
+    cfg = _choice(x, weight, bias, ADD_NORM, scale)
     if cfg is None:
         return None
     if residual is None:
-        return skinny_linear(x, weight, bias, cfg, NORM, None, norm_weight, eps), x
-    return skinny_linear(x, weight, bias, cfg, ADD_NORM, residual, norm_weight, eps)
+        return skinny_linear(x, weight, bias, cfg, NORM, None, norm_weight, eps, scale), x
+    return skinny_linear(x, weight, bias, cfg, ADD_NORM, residual, norm_weight, eps, scale)
 
 
-def maybe_skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+def maybe_skinny_silu_linear(x: torch.Tensor, weight: torch.Tensor,
+                             scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """(silu(gate) * up) @ W.T over x = gate | up in one kernel where the skinny kernel was
     chosen for W's shape, else None."""
-    cfg = _choice(x, weight, None, SILU_MUL)
-    return None if cfg is None else skinny_linear(x, weight, None, cfg, SILU_MUL)
+    cfg = _choice(x, weight, None, SILU_MUL, scale)
+    return None if cfg is None else skinny_linear(x, weight, None, cfg, SILU_MUL,
+                                                  weight_scale=scale)

@@ -6,6 +6,7 @@ model, the KV cache tensors, the sampler and per-request random generators.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ import torch
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.scheduler import SchedulerOutput
 from pagedbackend.layers.attention import AttentionMetadata
+from pagedbackend.layers.quantization import quantize_model_fp8
 from pagedbackend.layers.sampler import Sampler, SamplingMetadata, argmax, to_device_async
 from pagedbackend.models import build_model, load_weights
 from pagedbackend.worker import cuda_graph
@@ -25,6 +27,8 @@ from pagedbackend.worker.kv_sizing import kv_bytes_per_block, num_blocks_for_dev
 from pagedbackend.worker.prompt_logprobs import prompt_logprobs
 from pagedbackend.worker.step_inputs import (HostInputs, StepInputs, host_inputs, upload,
                                              warmup_inputs)
+
+logger = logging.getLogger("pagedbackend")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -84,6 +88,10 @@ class ModelRunner:
         self.model = build_model(hf_config, self.dtype, self.device, make_attn_backend(self.device),
                                  tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         load_weights(self.model, config.model, config.load_format)
+        if config.quantization == "fp8":
+            layers = quantize_model_fp8(self.model)
+            logger.info("quantization fp8: %d linear layers in float8 e4m3 (per-channel scales)",
+                        layers)
         self.model.eval()
         self.sampler = Sampler()
         self.block_size = config.block_size

@@ -1,0 +1,41 @@
+"""Per-row (per-token) dynamic quantization to float8 e4m3 in one kernel: the input of an FP8
+matmul (layers/quantization.py). The torch version takes five passes over the activations
+(abs, amax, divide, clamp, cast); this reads each row once from HBM and writes its bytes once."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedbackend.kernels.common import next_pow2, pdl_enter, pdl_launch
+from pagedbackend.layers.attention import FP8_MAX
+from pagedbackend.layers.quantization import FP8, MIN_SCALE
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, min_scale, fp8_max,
+                          N: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0) / fp8_max, min_scale)
+    q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, K] e4m3, scale [M, 1] fp32): layers.quantization.quantize_rows_fp8
+    in one launch."""
+    assert x.dim() == 2 and x.stride(1) == 1
+    m, n = x.shape
+    q = torch.empty((m, n), dtype=FP8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = next_pow2(n)
+        _quantize_rows_kernel[(m,)](x, q, scale, x.stride(0), q.stride(0), MIN_SCALE, FP8_MAX,
+                                    N=n, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
+                                    **pdl_launch(x))
+    return q, scale
