@@ -500,8 +500,9 @@ def fp8_weight(n, k):
     return wq, s, dequantize(wq, s, torch.float32)
 
 
-@pytest.mark.parametrize("cfg", [(16, 512, 4, 3), (8, 1024, 4, 5), (32, 256, 4, 4, True)],
-                         ids=["fma", "fma-fp8tile", "dot"])
+@pytest.mark.parametrize("cfg", [(16, 512, 4, 3), (8, 1024, 4, 5), (32, 256, 4, 4, True),
+                                 (64, 256, 4, 4, True)],
+                         ids=["fma", "fma-fp8tile", "dot", "dot-fp8tile"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_skinny_linear_fp8_weights_matches_the_dequantized_weight(cfg, dtype):
     """quantization="fp8": the kernel reads e4m3 weights and multiplies the finished products by
