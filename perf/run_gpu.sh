@@ -112,7 +112,7 @@ for s in $stages; do
     # quantization at real shapes, the tuner, the engine's no-compile test; then W1, W2
     # (128/128, 2048/128) and W5's requests into the engine, bf16 then fp8 weights (+ fp8 KV)
     fp8w) run fp8w 240 python3 -m pytest -q tests/test_kernels.py -k "fp8_weights or quantize_rows or tuning or dispatch or graphs-fp8" ;;
-    w1fp8w) run w1fp8w 260 python3 perf/w1_decode.py --ab fp8w ;;
+    w1fp8w) run w1fp8w 260 python3 perf/w1_decode.py --profile --ab fp8w ;;
     w2fp8w) run w2fp8w 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab fp8w ;;
     w5fp8w) run w5fp8w 280 python3 perf/w3_mix.py --model llama-3.1-8b --ab fp8w,fp8kv ;;
     correctnessfp8w) run correctnessfp8w 200 "$base_py" perf/gpu_correctness.py --dtypes bfloat16 --quantization fp8 ;;

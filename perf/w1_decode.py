@@ -72,9 +72,10 @@ def main():
     def body(llm, label):
         suffix = "" if label == "default" else label
         rows.append({"workload": "W1", "variant": label, **run(llm, a.model, suffix=suffix)})
-        if a.profile and (label == "default" or label.endswith("nopdl")):  # without PDL the
-            profile(llm, "W1" if label == "default" else f"W1-{label}")    # kernel times are
-        #                                                          not inflated by early starts
+        # without PDL the kernel times are not inflated by early starts; fp8 weights have
+        # kernels of their own
+        if a.profile and (label == "default" or label.endswith("nopdl") or "fp8w" in label):
+            profile(llm, "W1" if label == "default" else f"W1-{label}")
     run_variants(a.ab, make_llm, body)
     keys = ("workload", "variant", "output_tokens_per_s", "decode_tokens_per_s", "ttft_ms", "mbu")
     print_table([{**{k: r[k] for k in keys}, "step_ms": r["step_split"]["step_ms"]}
