@@ -64,6 +64,23 @@ def test_fp8_linear_is_its_formula():
     assert fp8_linear(x.bfloat16(), wq, sw).dtype == torch.bfloat16
 
 
+def tokens_with_inputs_rounded(plain: LLM, prompts, monkeypatch) -> list[list[int]]:
+    """Greedy tokens of an unquantized engine whose q|k|v, o, gate|up and down layers round
+    their input per token to e4m3 (and back) before the matmul: on weights that are already
+    dequantized fp8 values, exactly what the fp8 engine computes."""
+    layers = {m.weight.data_ptr() for m in plain.engine.runner.model.modules()
+              if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+
+    def rounding_linear(x, weight, bias=None):
+        if weight.data_ptr() in layers:
+            xq, sx = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
+            x = (xq.float() * sx).reshape(x.shape)
+        return torch.nn.functional.linear(x, weight, bias)
+    with monkeypatch.context() as m:
+        m.setattr(linear_module, "F", types.SimpleNamespace(linear=rounding_linear))
+        return [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)]
+
+
 def test_engine_fp8_equals_the_model_computing_the_same_formula(llama_dir, monkeypatch):
     """quantization="fp8" reaches every q|k|v, o, gate|up and down layer (the embeddings and
     the LM head stay as loaded), and the engine generates exactly what the unquantized engine
@@ -80,28 +97,17 @@ def test_engine_fp8_equals_the_model_computing_the_same_formula(llama_dir, monke
     got = [o.outputs[0].token_ids for o in fp8.generate(prompts, GREEDY)]
     assert fp8.engine.stats().prefix_cache_hits > 0
 
-    quantized = set()
 
     def dequantized_engine() -> LLM:
         plain = LLM(llama_dir, **ENGINE)
-        quantized.clear()
         for m in plain.engine.runner.model.modules():
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
                 with torch.no_grad():
                     m.weight.copy_(dequantize(*quantize_weight_fp8(m.weight), torch.float32))
-                quantized.add(m.weight.data_ptr())
         return plain
     # (an engine each: the prefix cache would carry one run's K/V into the other)
     unrounded = [o.outputs[0].token_ids for o in dequantized_engine().generate(prompts, GREEDY)]
-
-    def rounding_linear(x, weight, bias=None):
-        if weight.data_ptr() in quantized:
-            xq, sx = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
-            x = (xq.float() * sx).reshape(x.shape)
-        return torch.nn.functional.linear(x, weight, bias)
-    plain = dequantized_engine()
-    monkeypatch.setattr(linear_module, "F", types.SimpleNamespace(linear=rounding_linear))
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)]
+    want = tokens_with_inputs_rounded(dequantized_engine(), prompts, monkeypatch)
     assert got == want
     assert unrounded != want      # rounding the inputs shows: the test can tell them apart
 
@@ -119,3 +125,111 @@ def test_smollm2_fp8_still_answers(smollm2_dir):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=20))
     assert out[0].outputs[0].text == "The capital of France is Paris."
+
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_fp8_checkpoint(src: str, fp8_dir, dequantized_dir, method: str) -> dict:
+    """The tiny checkpoint at src saved as an FP8 one (as llm-compressor / AutoFP8 write them:
+    `*.weight` in e4m3, `*.weight_scale`, an `*.input_scale` this engine ignores) and, beside
+    it, the 16-bit checkpoint of the weights it stands for. Per-tensor scales for quant_method
+    "fp8", per-channel ([N, 1]) for compressed-tensors. Returns {name: (e4m3, scale)}."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    tensors = {}
+    for f in Path(src).glob("*.safetensors"):
+        tensors.update(load_file(f))
+    fp8, plain, quantized = {}, {}, {}
+    for name, t in tensors.items():
+        if name.endswith(".weight") and name.split(".")[-2] in LINEAR_NAMES:
+            if method == "fp8":
+                scale = (t.abs().max() / 448).reshape(())
+                wq = (t / scale).clamp(-448, 448).to(FP8)
+            else:
+                wq, scale = quantize_weight_fp8(t)
+                scale = scale.view(-1, 1)
+            base = name[:-len(".weight")]
+            fp8[name], fp8[base + ".weight_scale"] = wq, scale
+            fp8[base + ".input_scale"] = torch.tensor(1.0)
+            plain[name] = wq.float() * scale
+            quantized[name] = (wq, scale)
+        else:
+            fp8[name] = plain[name] = t
+    config = json.loads((Path(src) / "config.json").read_text())
+    for out, weights, qc in (
+            (Path(fp8_dir), fp8, {"quant_method": "fp8", "activation_scheme": "dynamic"}
+             if method == "fp8" else {
+                 "quant_method": "compressed-tensors", "format": "float-quantized",
+                 "config_groups": {"group_0": {
+                     "targets": ["Linear"],
+                     "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                     "input_activations": {"num_bits": 8, "type": "float",
+                                           "strategy": "token", "dynamic": True}}},
+                 "ignore": ["lm_head"]}),
+            (Path(dequantized_dir), plain, None)):
+        for extra in Path(src).iterdir():
+            if not extra.name.endswith(".safetensors") and extra.name != "config.json":
+                shutil.copy(extra, out / extra.name)
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps(
+            {**config, **({"quantization_config": qc} if qc else {})}))
+    return quantized
+
+
+@pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])
+def test_fp8_checkpoint_is_read_as_it_is(llama_dir, tmp_path, monkeypatch, method):
+    """An FP8 checkpoint's e4m3 weights are the engine's, byte for byte, and its scales (per
+    tensor: each of q, k, v fills its rows of q|k|v) the engine's per-channel scales, without
+    quantization="fp8" being asked for; the engine generates exactly what the 16-bit model of
+    the same weights does when each such layer rounds its input per token to e4m3."""
+    fp8_dir, plain_dir = tmp_path / "fp8", tmp_path / "plain"
+    fp8_dir.mkdir()
+    plain_dir.mkdir()
+    quantized = write_fp8_checkpoint(llama_dir, fp8_dir, plain_dir, method)
+    llm = LLM(str(fp8_dir), **ENGINE)
+    attn = llm.engine.runner.model.model.layers[1].self_attn
+    q, k, v = (quantized[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert torch.equal(attn.qkv_proj.weight.view(torch.uint8),
+                       torch.cat([q[0], k[0], v[0]]).view(torch.uint8))
+    want_scale = torch.cat([s.reshape(-1).expand(w.shape[0]) for w, s in (q, k, v)])
+    assert torch.equal(attn.qkv_proj.weight_scale, want_scale)
+    if method == "fp8":     # per tensor: q's rows share one scale, k's another
+        assert attn.qkv_proj.weight_scale.unique().numel() == 3
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert got == tokens_with_inputs_rounded(LLM(str(plain_dir), **ENGINE), PROMPTS, monkeypatch)
+
+
+def test_checkpoints_it_cannot_read_are_refused(llama_dir, tmp_path):
+    """Quantized checkpoints of other kinds are refused when the engine starts, naming what
+    they are; e4m3 tensors without a quantization_config saying so are refused by name, not
+    loaded without their scales."""
+    import json
+    import shutil
+    from pathlib import Path
+    for qc, what in (({"quant_method": "awq", "bits": 4}, "'awq'"),
+                     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+                     ({"quant_method": "compressed-tensors", "config_groups": {"g": {
+                         "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
+                      "'int', 4 bits, strategy 'group'")):
+        d = tmp_path / ("q-" + qc["quant_method"])
+        shutil.copytree(llama_dir, d)
+        config = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+        with pytest.raises(ValueError, match=rf"^model=.* is invalid: its checkpoint is quantized "
+                                             rf"with .*{what}"):
+            LLM(str(d), **ENGINE)
+    fp8_dir, plain_dir = tmp_path / "fp8", tmp_path / "plain"
+    fp8_dir.mkdir()
+    plain_dir.mkdir()
+    write_fp8_checkpoint(llama_dir, fp8_dir, plain_dir, "fp8")
+    config = json.loads((fp8_dir / "config.json").read_text())
+    del config["quantization_config"]
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"checkpoint tensor model\.layers\.\d+\.\w+\.\w+_proj"
+                                         r"\.weight is float8 but its parameter is float32"):
+        LLM(str(fp8_dir), **ENGINE)
+    assert Path(plain_dir, "model.safetensors").exists()

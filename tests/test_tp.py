@@ -35,6 +35,13 @@ def token_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
+def logprob_gap(a, b) -> float:
+    """The largest difference between two runs' prompt logprobs of the prompt tokens."""
+    pairs = [(next(iter(x.values())), next(iter(y.values())))
+             for pa, pb in zip(a, b) for x, y in zip(pa[1:], pb[1:])]
+    return max(abs(x - y) for x, y in pairs)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -345,11 +352,27 @@ def test_tp2_fp8_weights_close_to_tp1(checkpoints):
         got = [o.prompt_logprobs for o in llm.generate(prompts, params)]
     finally:
         llm.engine.shutdown()
-
-    def gap(a, b):
-        pairs = [(next(iter(x.values())), next(iter(y.values())))
-                 for pa, pb in zip(a, b) for x, y in zip(pa[1:], pb[1:])]
-        return max(abs(x - y) for x, y in pairs)
     # the ranks' other scales move the logprobs by about as much as fp8 rounding itself does
     # (0.10 against 0.15 here), far from a missing or misapplied scale (units, not tenths)
-    assert 0 < gap(got, want) < 2 * gap(want, full) < 1.0
+    assert 0 < logprob_gap(got, want) < 2 * logprob_gap(want, full) < 1.0
+
+
+def test_tp2_reads_an_fp8_checkpoint(checkpoints, tmp_path):
+    """Each rank takes its rows of a per-channel FP8 checkpoint's weights and scales (q|k|v and
+    gate|up split by rows, o and down by columns with every output row's scale): as close to
+    TP=1 on the same checkpoint as the runtime-quantized case above."""
+    from test_quantization import write_fp8_checkpoint
+    fp8_dir, plain_dir = tmp_path / "fp8", tmp_path / "plain"
+    fp8_dir.mkdir()
+    plain_dir.mkdir()
+    write_fp8_checkpoint(checkpoints["llama"], fp8_dir, plain_dir, "compressed-tensors")
+    prompts = mixed_prompts()
+    params = GREEDY.clone(max_tokens=1, prompt_logprobs=0)
+    want = [o.prompt_logprobs for o in LLM(str(fp8_dir), **ENGINE).generate(prompts, params)]
+    full = [o.prompt_logprobs for o in LLM(checkpoints["llama"], **ENGINE).generate(prompts, params)]
+    llm = LLM(str(fp8_dir), tensor_parallel_size=2, **ENGINE)
+    try:
+        got = [o.prompt_logprobs for o in llm.generate(prompts, params)]
+    finally:
+        llm.engine.shutdown()
+    assert 0 < logprob_gap(got, want) < 2 * logprob_gap(want, full) < 1.0

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedbackend.config import EngineConfig, check
+from pagedbackend.layers.quantization import checkpoint_quantization
 
 DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
 
@@ -99,6 +100,7 @@ def load_model_files(config: EngineConfig) -> ModelFiles:
     batched = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS[device]
     check(config.enable_chunked_prefill or batched >= max_model_len, "max_num_batched_tokens",
           batched, f">= max_model_len ({max_model_len}) when enable_chunked_prefill is off")
+    checkpoint_quantization(hf_config, config.model)   # a quantization it cannot read: refused
     archs = hf_config.get("architectures") or ["LlamaForCausalLM"]
     info = EngineInfo(
         model_type=hf_config.get("model_type", "llama"), architecture=archs[0], device=device,

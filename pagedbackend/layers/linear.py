@@ -29,7 +29,7 @@ def narrow(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
 
 
 def materialize(loaded: Any) -> torch.Tensor:
-    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[...]
 
 
 def default_weight_loader(param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:

@@ -12,8 +12,16 @@ rounding of the bf16 matmul.
 The embeddings and the LM head stay in the model's dtype, as in vLLM. With tensor parallelism
 every rank quantizes its own shard: a row-parallel layer's scales come from its slice of each
 weight row.
+
+Checkpoints already in FP8 are read as they are (their `quantization_config` says so: vLLM's
+quant_method "fp8", or "compressed-tensors" with 8-bit float weights): the e4m3 weights are
+copied unchanged and their scales, per tensor or per output channel, become the per-channel
+scales here (a per-tensor scale fills its projection's rows of a packed q|k|v or gate|up).
+Their activation scales are not used: inputs are always quantized per token, at run time.
 """
 from __future__ import annotations
+
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -83,3 +91,78 @@ def quantize_model_fp8(model: nn.Module) -> int:
             module.weight_scale = scale
             count += 1
     return count
+
+
+def checkpoint_quantization(hf_config: dict, model_dir: str) -> Optional[str]:
+    """"fp8" when config.json's quantization_config describes float8 weights this engine reads,
+    None without one; any other quantization is a ValueError naming what it found."""
+    qc = hf_config.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    why = None
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            why = f"fp8 with block-wise scales (weight_block_size {qc['weight_block_size']})"
+    elif method == "compressed-tensors":
+        for group in (qc.get("config_groups") or {}).values():
+            w = group.get("weights") or {}
+            if w.get("type") != "float" or w.get("num_bits") != 8 \
+                    or w.get("strategy") not in ("tensor", "channel"):
+                why = (f"compressed-tensors weights of type {w.get('type')!r}, "
+                       f"{w.get('num_bits')} bits, strategy {w.get('strategy')!r}")
+    else:
+        why = repr(method)
+    if why is not None:
+        raise ValueError(f"model={model_dir!r} is invalid: its checkpoint is quantized with {why}; "
+                         "must be 16-bit, or FP8 (quant_method 'fp8' or compressed-tensors "
+                         "float8 weights, per-tensor or per-channel scales)")
+    return "fp8"
+
+
+def prepare_fp8_checkpoint(model: nn.Module) -> None:
+    """Before loading an FP8 checkpoint: every column- and row-parallel layer gets an e4m3
+    weight and a `weight_scale` parameter [N], each with a loader for the checkpoint's tensors
+    (`*.weight` in e4m3, `*.weight_scale` a scalar or one value per output row)."""
+    from pagedbackend.layers.linear import ColumnParallelLinear, RowParallelLinear
+    for module in model.modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        old = module.weight
+        module.weight = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device),
+                                     requires_grad=False)
+        module.weight.weight_loader = old.weight_loader
+        scale = torch.empty(old.shape[0], dtype=torch.float32, device=old.device)
+        module.weight_scale = nn.Parameter(scale, requires_grad=False)
+        module.weight_scale.weight_loader = _scale_loader(module)
+
+
+def _scale_loader(module: nn.Module):
+    from pagedbackend.layers.linear import ColumnParallelLinear, materialize
+
+    def load(param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
+        src = materialize(loaded).float().reshape(-1)
+        if isinstance(module, ColumnParallelLinear):
+            i = shard_id or 0
+            size, offset = module.local_sizes[i], module.offsets[i]
+            rows = param.data.narrow(0, offset, size)
+            if src.numel() > 1:     # per channel: this rank's rows of the projection
+                src = src.narrow(0, module.tp_rank * size, size)
+        else:                       # row-parallel: every rank holds all output rows
+            rows = param.data
+        if src.numel() == 1:
+            rows.fill_(src.item())
+        elif src.numel() == rows.numel():
+            rows.copy_(src)
+        else:
+            raise ValueError(f"checkpoint weight_scale of {src.numel()} values does not match "
+                             f"{rows.numel()} output rows (expected 1 or one per row)")
+    return load
+
+
+def is_fp8(loaded: Any) -> bool:
+    """Whether a checkpoint tensor (or a lazy safetensors slice) holds float8 e4m3."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.dtype == FP8
+    get_dtype = getattr(loaded, "get_dtype", None)
+    return get_dtype is not None and get_dtype() == "F8_E4M3"

@@ -18,6 +18,7 @@ from pagedbackend.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedbackend.layers.linear import (ColumnParallelLinear, RowParallelLinear,
                                         default_weight_loader, norm_linear)
 from pagedbackend.layers.norm import RMSNorm
+from pagedbackend.layers.quantization import is_fp8
 from pagedbackend.layers.rotary import build_cos_sin_cache
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -232,6 +233,14 @@ class LlamaForCausalLM(nn.Module):
         param = params.get(name)
         if param is None:
             return None
+        if is_fp8(loaded) != (param.dtype == torch.float8_e4m3fn):
+            # an e4m3 tensor copied into a 16-bit parameter (or the reverse) would load without
+            # its scale, i.e. a wrong model that still runs
+            raise ValueError(f"checkpoint tensor {hf_name} is "
+                             f"{'float8' if is_fp8(loaded) else 'not float8'} but its parameter "
+                             f"is {str(param.dtype).replace('torch.', '')}: a checkpoint with "
+                             "some layers quantized and some not is not supported, and FP8 "
+                             "weights need a quantization_config in config.json")
         getattr(param, "weight_loader", default_weight_loader)(param, loaded, shard_id)
         return name if shard_id is None else f"{name}[{shard_id}]"
 
