@@ -6,14 +6,19 @@ parameters' weight loaders narrow them before anything is copied.
 from __future__ import annotations
 
 import json
+import logging
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
 from pagedbackend.layers.norm import RMSNorm
+from pagedbackend.layers.quantization import (checkpoint_quantization, prepare_fp8_checkpoint,
+                                              quantize_model_fp8)
 from pagedbackend.models import gguf as gguf_io
+
+logger = logging.getLogger("pagedbackend")
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -65,15 +70,33 @@ def _iter_safetensors(model_dir: str) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
-def load_weights(model: nn.Module, model_dir: str, load_format: str = "auto",
-                 seed: int = 0) -> None:
-    """Load every parameter of `model` (built by build_model) from `model_dir`.
+def load_weights(model: nn.Module, model_dir: str, load_format: str = "auto", seed: int = 0,
+                 quantization: Optional[str] = None, hf_config: Optional[dict] = None) -> None:
+    """Load every parameter of `model` (built by build_model) from `model_dir`, then quantize
+    its weights to fp8 if `quantization` asks for it. An FP8 checkpoint (hf_config's
+    quantization_config) is read as it is, whatever `quantization` says; dummy weights for an
+    FP8 model's config.json are generated in 16 bits and quantized.
 
     Raises ValueError naming the parameters the checkpoint did not provide."""
     fmt = resolve_load_format(model_dir, load_format)
+    fp8_checkpoint = hf_config is not None \
+        and checkpoint_quantization(hf_config, model_dir) == "fp8"
+    if fp8_checkpoint and fmt != "dummy":
+        prepare_fp8_checkpoint(model)
+        _load_checkpoint(model, model_dir, fmt)
+        logger.info("quantization fp8: float8 e4m3 weights and scales from the checkpoint")
+        return
     if fmt == "dummy":
         init_dummy_weights(model, seed)
-        return
+    else:
+        _load_checkpoint(model, model_dir, fmt)
+    if quantization == "fp8" or fp8_checkpoint:
+        layers = quantize_model_fp8(model)
+        logger.info("quantization fp8: %d linear layers in float8 e4m3 (per-channel scales)",
+                    layers)
+
+
+def _load_checkpoint(model: nn.Module, model_dir: str, fmt: str) -> None:
     if fmt == "safetensors":
         if not safetensors_files(model_dir):
             raise ValueError("load_format='safetensors' is invalid for this model directory: "

@@ -6,7 +6,6 @@ model, the KV cache tensors, the sampler and per-request random generators.
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -18,19 +17,14 @@ import torch
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.scheduler import SchedulerOutput
 from pagedbackend.layers.attention import AttentionMetadata
-from pagedbackend.layers.quantization import (checkpoint_quantization, prepare_fp8_checkpoint,
-                                              quantize_model_fp8)
 from pagedbackend.layers.sampler import Sampler, SamplingMetadata, argmax, to_device_async
 from pagedbackend.models import build_model, load_weights
-from pagedbackend.models.loader import resolve_load_format
 from pagedbackend.worker import cuda_graph
 from pagedbackend.worker.cuda_graph import DecodeGraphs, PrefillGraphs
 from pagedbackend.worker.kv_sizing import kv_bytes_per_block, num_blocks_for_device
 from pagedbackend.worker.prompt_logprobs import prompt_logprobs
 from pagedbackend.worker.step_inputs import (HostInputs, StepInputs, host_inputs, upload,
                                              warmup_inputs)
-
-logger = logging.getLogger("pagedbackend")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -89,19 +83,8 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model = build_model(hf_config, self.dtype, self.device, make_attn_backend(self.device),
                                  tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
-        # an FP8 checkpoint is read as it is; otherwise quantization="fp8" quantizes the loaded
-        # weights (dummy weights of an FP8 model's config.json too)
-        prequantized = checkpoint_quantization(hf_config, config.model) == "fp8" \
-            and resolve_load_format(config.model, config.load_format) != "dummy"
-        if prequantized:
-            prepare_fp8_checkpoint(self.model)
-        load_weights(self.model, config.model, config.load_format)
-        if prequantized:
-            logger.info("quantization fp8: float8 e4m3 weights and scales from the checkpoint")
-        elif config.quantization == "fp8" or checkpoint_quantization(hf_config, config.model):
-            layers = quantize_model_fp8(self.model)
-            logger.info("quantization fp8: %d linear layers in float8 e4m3 (per-channel scales)",
-                        layers)
+        load_weights(self.model, config.model, config.load_format,
+                     quantization=config.quantization, hf_config=hf_config)
         self.model.eval()
         self.sampler = Sampler()
         self.block_size = config.block_size
