@@ -140,13 +140,10 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
     ref = baseline(True).float()
     base = _time_us(lambda: baseline(False))
     best, best_us = None, float("inf")
-    # the tensor-core tiles at one row too for fp8 weights: they widen e4m3 to fp16 and let
-    # the tensor cores multiply, where the broadcast products' tiles widen every weight to
-    # fp32 and multiply on the FMA units; those reached only 1.7-2.7 TB/s of e4m3 on the H200
-    # at one row (W1, perf/RESULTS.md call 40)
-    tiles = CANDIDATES + (FP8_CANDIDATES if scale is not None else ()) \
-        + (DOT_CANDIDATES if rows > 1 or scale is not None else ())
-    for cfg in tiles:
+    # the tensor-core tiles from 2 rows (at one row none beat the broadcast products' tiles on
+    # the H200, bf16 or fp8: perf/RESULTS.md calls 41-42)
+    tiles = CANDIDATES + (FP8_CANDIDATES if scale is not None else ()) + DOT_CANDIDATES
+    for cfg in (c for c in tiles if rows > 1 or len(c) == 4):
         try:
             # a tile that is wrong here (e.g. a miscompile) or fails is never chosen; the
             # fused norm skips one bf16 rounding, hence the tolerance
