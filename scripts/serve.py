@@ -42,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gateway-port", type=int, default=int(env.get("GATEWAY_PORT", 8080)))
     p.add_argument("--no-gateway", action="store_true",
                    help="do not start the OpenAI gateway (client/openai_gateway)")
+    p.add_argument("--tool-call-parser", default=None,
+                   help='the gateway serves tool_choice "auto" with this parser of tool calls '
+                        "in the model's text (hermes: Qwen2.5/Qwen3/Hermes formats)")
     p.add_argument("--log-verbose", type=int, default=0)
     return p.parse_args(argv)
 
@@ -96,7 +99,9 @@ def main(argv=None) -> int:
                 [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", server.grpc_url,
                  "--triton-metrics", server.metrics_url,
                  "--host", "127.0.0.1", "--port", str(args.gateway_port), "--tokenizer",
-                 str((REPO_ROOT / tokenizer).resolve())],
+                 str((REPO_ROOT / tokenizer).resolve())]
+                + (["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
+                   if args.tool_call_parser else []),
                 cwd=str(REPO_ROOT), env=server_env()))
             print(f"OpenAI gateway: http://127.0.0.1:{args.gateway_port}/v1", flush=True)
         while server.proc.poll() is None:

@@ -630,6 +630,99 @@ def test_required_tool_choice_returns_the_calls_with_finish_reason_tool_calls(cl
     assert r["choices"][0]["message"]["content"] == '[{"name": "get_time",'
 
 
+HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+          '</tool_call>')
+
+
+def test_auto_tool_choice_finds_hermes_calls_in_the_text(fake):
+    """With --enable-auto-tool-choice --tool-call-parser hermes, tool_choice "auto" (the default
+    with tools) lets the model choose: `<tool_call>` blocks in its text become tool calls
+    (finish_reason tool_calls) and the text around them the content, streamed as it comes;
+    text without blocks, or with blocks that are not calls, stays content."""
+    client = make(fake, tool_call_parser="hermes")
+    fake.answer = HERMES
+    body = {**CHAT, "tools": [WEATHER, TIME]}
+    r = client.post("/v1/chat/completions", json=body).json()
+    assert "structured_outputs" not in fake.requests[0].params
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me check."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    cs = chunks(client.post("/v1/chat/completions",
+                            json={**body, "tool_choice": "auto", "stream": True}))
+    deltas = [c["choices"][0]["delta"] for c in cs if c["choices"]]
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert content == "Let me check. " and len(deltas[1:-1]) > 2   # in pieces, tag withheld
+    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in calls] == [(0, "get_weather", {"city": "Paris"})]
+    assert cs[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    for answer in (ANSWER, 'a <tool_call> {"name": oops} </tool_call> b'):
+        fake.answer = answer
+        r = client.post("/v1/chat/completions", json=body).json()
+        assert r["choices"][0]["message"] == {"role": "assistant", "content": answer}
+        assert r["choices"][0]["finish_reason"] == "stop"
+        cs = chunks(client.post("/v1/chat/completions", json={**body, "stream": True}))
+        assert "".join(c["choices"][0]["delta"].get("content") or ""
+                       for c in cs if c["choices"]) == answer
+        assert cs[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (HERMES, "Let me check.", [("get_weather", {"city": "Paris"})]),
+    ('<tool_call>{"name": "get_time", "parameters": {}}</tool_call>\n<tool_call>'
+     '{"name": "get_weather", "arguments": {"city": "東京"}}</tool_call> done',
+     "done", [("get_time", {}), ("get_weather", {"city": "東京"})]),
+    ('x <tool_call>{"name": "get_time", "arguments": {}}', "x", [("get_time", {})]),  # unclosed
+    ("if a < b and b <tool then", "if a < b and b <tool then", None),
+    ('<tool_call>["get_time"]</tool_call>', '<tool_call>["get_time"]</tool_call>', None),
+])
+def test_hermes_parser_whole_and_streamed_in_any_pieces(text, content, calls):
+    from client.openai_gateway.tools import HermesStream, hermes_calls
+    got_content, got_calls = hermes_calls(text)
+    assert got_content == content
+    named = None if got_calls is None else [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls]
+    assert named == calls
+    for size in (1, 2, 5, 11):      # the stream: content never shows a tag, however it is cut
+        stream = HermesStream()
+        sent = "".join(stream.feed(text[i:i + size]) for i in range(0, len(text), size))
+        rest, streamed_calls = stream.finish()
+        if calls is None:
+            assert sent + rest == text and streamed_calls is None
+        else:
+            assert "<tool_call>" not in sent and (sent.strip() + " " + rest).strip() == content
+            assert [c["function"]["name"] for c in streamed_calls] == [n for n, _ in calls]
+
+
+def test_auto_tool_choice_flags(monkeypatch):
+    """vLLM's flags: --enable-auto-tool-choice needs a known --tool-call-parser; the parser
+    alone does not turn "auto" on."""
+    from client.openai_gateway import __main__ as gateway_main
+    with pytest.raises(SystemExit):
+        parse_args(["--enable-auto-tool-choice"])               # no parser named
+    with pytest.raises(SystemExit):
+        parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "mistral"])
+    fake = FakeBackend()
+    fake.answer = HERMES
+    monkeypatch.setattr(gateway_main, "TritonBackend", lambda *a: fake)
+    monkeypatch.setattr(gateway_main.PromptRenderer, "from_path",
+                        staticmethod(lambda path: PromptRenderer(FakeTokenizer())))
+    body = {**CHAT, "model": "a", "tools": [WEATHER]}
+    for flags, status in ((["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], 200),
+                          (["--tool-call-parser", "hermes"], 400)):
+        client = TestClient(build_app(parse_args(["--served-model-name", "a",
+                                                  "--triton-metrics", "off", *flags])))
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == status, flags
+        if status == 200:
+            assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+        else:
+            assert r.json()["error"]["param"] == "tool_choice"
+
+
 def test_tool_choice_none_is_plain_text_with_the_tools_in_the_prompt(client, fake):
     r = client.post("/v1/chat/completions",
                     json={**CHAT, "tools": [WEATHER], "tool_choice": "none"}).json()

@@ -9,6 +9,7 @@ import uvicorn
 
 from client.openai_gateway.app import DEFAULT_MAX_BODY_BYTES, create_app
 from client.openai_gateway.prompts import PromptRenderer
+from client.openai_gateway.tools import TOOL_PARSERS
 from client.openai_gateway.triton_backend import TritonBackend
 
 API_KEY_ENV = "PAGEDBACKEND_API_KEY"
@@ -31,9 +32,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--triton-metrics", default=None,
                    help="Triton's metrics URL, served again at /metrics (default: "
                         "http://<--triton-grpc host>:8002/metrics; 'off': no /metrics)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto" (the default with tools): the model chooses, and '
+                        "its calls are found in its text by --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
+                   help="the format of tool calls in the model's text: hermes (<tool_call>"
+                        "{json}</tool_call>, Qwen2.5/Qwen3/Hermes chat templates)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--log-level", default="info")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        p.error("--enable-auto-tool-choice needs --tool-call-parser")
+    return args
 
 
 def build_app(args: argparse.Namespace):
@@ -47,7 +57,9 @@ def build_app(args: argparse.Namespace):
     app = create_app(backend, names, api_key=api_key,
                      renderer=PromptRenderer.from_path(args.tokenizer),
                      max_body_bytes=args.max_body_bytes,
-                     metrics_url=None if metrics == "off" else metrics)
+                     metrics_url=None if metrics == "off" else metrics,
+                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
+                     else None)
     # The key itself is never logged; only whether one is set.
     logging.getLogger("openai_gateway").info(
         "serving %s on http://%s:%d (Triton gRPC %s, model %s, api key %s)", names, args.host,

@@ -6,6 +6,7 @@ surface against a fake one and the real server hands in `TritonBackend`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -33,9 +34,11 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 def create_app(backend: Backend, served_names: list[str], api_key: Optional[str] = None,
                renderer: Optional[PromptRenderer] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               metrics_url: Optional[str] = None) -> FastAPI:
+               metrics_url: Optional[str] = None,
+               tool_call_parser: Optional[str] = None) -> FastAPI:
     """metrics_url: Triton's Prometheus endpoint, served again at /metrics (vLLM's server has
-    its metrics on its own port); None: no /metrics route."""
+    its metrics on its own port); None: no /metrics route. tool_call_parser: the format of tool
+    calls in the model's free text (tools.TOOL_PARSERS), which tool_choice "auto" needs."""
     app = FastAPI(title="pagedbackend OpenAI gateway", docs_url=None, redoc_url=None,
                   openapi_url=None)
     renderer = renderer or PromptRenderer(None)
@@ -139,7 +142,8 @@ def create_app(backend: Backend, served_names: list[str], api_key: Optional[str]
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generate(request, parse_chat)
+        return await generate(request, functools.partial(parse_chat,
+                                                         tool_parser=tool_call_parser))
 
     return app
 

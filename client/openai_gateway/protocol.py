@@ -65,7 +65,9 @@ def parse_completion(body: Any, default_model: str) -> GenerationRequest:
     return req
 
 
-def parse_chat(body: Any, default_model: str) -> GenerationRequest:
+def parse_chat(body: Any, default_model: str,
+               tool_parser: Optional[str] = None) -> GenerationRequest:
+    """tool_parser: the gateway's --tool-call-parser (tool_choice "auto" needs one)."""
     body = _object(body)
     messages = _messages(body.get("messages"))
     want = _flag(body, "logprobs", False)
@@ -73,7 +75,7 @@ def parse_chat(body: Any, default_model: str) -> GenerationRequest:
     if top is not None and not want:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     logprobs = (0 if top is None else top) if want else None
-    tools = parse_tools(body)
+    tools = parse_tools(body, tool_parser)
     forced = tools.structured_outputs()
     if forced is not None:
         given = [k for k in ("response_format", "structured_outputs", *_GUIDED) if body.get(k)]

@@ -16,6 +16,7 @@ from typing import AsyncIterator, Optional
 from client.openai_gateway.backend import Backend, BackendError, BackendRequest, Chunk
 from client.openai_gateway.errors import APIError, from_triton
 from client.openai_gateway.protocol import GenerationRequest
+from client.openai_gateway.tools import HermesStream
 
 _DONE = object()
 
@@ -32,6 +33,7 @@ class _Choice:
     num_output_tokens: int = 0
     offset: int = 0                      # completions' text_offset so far
     prompt_logprobs: Optional[list] = None  # echo with logprobs: the prompt's, from the engine
+    calls: Optional[HermesStream] = None    # tool_choice auto: the stream's call finder
 
 
 class Generation:
@@ -171,6 +173,11 @@ class Generation:
                 if tools.mode == "required":        # the calls go out whole, once complete
                     c.parts.append(chunk.text)
                     c.logprobs.extend(chunk.logprobs or [])
+                elif tools.mode == "auto":          # content as it comes, calls once complete
+                    c.calls = c.calls or HermesStream()
+                    text = c.calls.feed(chunk.text)
+                    if text or chunk.logprobs:
+                        yield self._chunk(c, {"content": text}, logprobs=chunk.logprobs)
                 elif chunk.text or chunk.logprobs:
                     yield self._chunk(c, self._delta(c, chunk.text), logprobs=chunk.logprobs)
                 if chunk.finish_reason:
@@ -178,6 +185,13 @@ class Generation:
                     if tools.mode == "required":
                         message, finish = tools.message("".join(c.parts), finish)
                         yield self._chunk(c, _indexed(message), logprobs=c.logprobs)
+                    elif tools.mode == "auto":
+                        rest, calls = (c.calls or HermesStream()).finish()
+                        if rest:
+                            yield self._chunk(c, {"content": rest})
+                        if calls:
+                            finish = "tool_calls"
+                            yield self._chunk(c, _indexed({"tool_calls": calls}))
                     yield self._chunk(c, {} if self.req.kind == "chat" else "", finish=finish)
             if self.req.include_usage:
                 yield _sse({**self._head(), "choices": [], "usage": self.usage()})

@@ -8,8 +8,12 @@ The tools go to the chat template (`tools=`), and a forced choice becomes a stru
 - `"required"`: the output is held to a JSON array of `{"name", "parameters"}` objects, one of
   the tools each, and returned as those tool calls (finish_reason `tool_calls`);
 - `"none"`: plain text.
-`"auto"` (the default when tools are given) would need a parser that finds tool calls in free
-text, which differs per model; as vLLM without `--enable-auto-tool-choice`, it is refused.
+- `"auto"` (the default when tools are given): the model chooses, and its calls are found in
+  the free text by a parser of the model family's format. As in vLLM, only when the gateway runs
+  with `--enable-auto-tool-choice --tool-call-parser NAME`, else refused. `hermes` (Qwen2.5,
+  Qwen3, Hermes and others whose chat templates ask for `<tool_call>{"name": ...,
+  "arguments": {...}}</tool_call>`): the calls are returned as tool calls (finish_reason
+  `tool_calls`), the text around them as content; output whose blocks do not parse is content.
 """
 from __future__ import annotations
 
@@ -22,12 +26,15 @@ from typing import Any, Optional
 from client.openai_gateway.errors import bad_request
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_PARSERS = ("hermes",)
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
 @dataclass
 class ToolChoice:
     tools: list[dict] = field(default_factory=list)      # as given, for the chat template
-    mode: str = "none"                                   # "none" | "named" | "required"
+    mode: str = "none"                          # "none" | "named" | "required" | "auto"
     name: Optional[str] = None                           # the named function
     call_ids: dict = field(default_factory=dict)         # choice index -> call id (streams)
 
@@ -46,12 +53,16 @@ class ToolChoice:
 
     def message(self, text: str, finish_reason: Optional[str]) -> tuple[dict, Optional[str]]:
         """(the assistant message, finish_reason) of a finished choice."""
-        calls = self.calls(text, finish_reason)
+        content = None
+        if self.mode == "auto":
+            content, calls = hermes_calls(text)
+        else:
+            calls = self.calls(text, finish_reason)
         if calls is None:
             return {"role": "assistant", "content": text}, finish_reason
-        if self.mode == "required":
+        if self.mode in ("required", "auto"):
             finish_reason = "tool_calls"
-        return {"role": "assistant", "content": None, "tool_calls": calls}, finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": calls}, finish_reason
 
     def calls(self, text: str, finish_reason: Optional[str]) -> Optional[list[dict]]:
         """The tool calls of a finished output; None when it is plain text (mode none, or an
@@ -74,7 +85,68 @@ class ToolChoice:
                                 "function": {"name": self.name, "arguments": ""}}]}
 
 
-def parse_tools(body: dict) -> ToolChoice:
+def hermes_calls(text: str) -> tuple[Optional[str], Optional[list[dict]]]:
+    """(content, calls) of a hermes-format output: every `<tool_call>{json}</tool_call>` block
+    (the last may be left unclosed at the end) a call, the text outside them the content (None
+    when only whitespace). No block, or any block that is not {"name": str, "arguments":
+    object}: (text, None), the whole output as content."""
+    if _HERMES_OPEN not in text:
+        return text, None
+    calls = []
+    for block in _HERMES_BLOCK.findall(text):
+        try:
+            obj = json.loads(block)
+        except json.JSONDecodeError:
+            return text, None
+        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) \
+                or not isinstance(args, dict):
+            return text, None
+        calls.append(_call(obj["name"], json.dumps(args, ensure_ascii=False)))
+    content = _HERMES_BLOCK.sub("", text).strip()
+    return content or None, calls
+
+
+class HermesStream:
+    """Splits a streamed hermes-format output: text before the first `<tool_call>` goes out as
+    content as it comes, except a tail that may be the start of the tag (held until the next
+    piece tells); from the tag on, everything is held for hermes_calls at the end."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = 0           # characters of text already sent as content
+        self.in_call = False
+
+    def feed(self, piece: str) -> str:
+        """The content that can go out now."""
+        self.text += piece
+        if self.in_call:
+            return ""
+        at = self.text.find(_HERMES_OPEN, self.sent)
+        if at >= 0:
+            self.in_call = True
+            end = at
+        else:           # hold back a tail that is a prefix of the tag
+            end = len(self.text)
+            for k in range(min(len(_HERMES_OPEN) - 1, len(self.text) - self.sent), 0, -1):
+                if _HERMES_OPEN.startswith(self.text[-k:]):
+                    end -= k
+                    break
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self) -> tuple[str, Optional[list[dict]]]:
+        """(the content not sent yet, the calls): with calls, the held text's content is what
+        stands outside the blocks (the content already sent is not repeated); without, all of
+        the held text."""
+        _, calls = hermes_calls(self.text)
+        rest = self.text[self.sent:]
+        if calls is None:
+            return rest, None
+        return _HERMES_BLOCK.sub("", rest).strip(), calls
+
+
+def parse_tools(body: dict, auto_parser: Optional[str] = None) -> ToolChoice:
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None or tools == []:
@@ -91,9 +163,13 @@ def parse_tools(body: dict) -> ToolChoice:
     if choice == "none":
         return ToolChoice(tools, "none")
     if choice is None or choice == "auto":
-        raise bad_request('tool_choice="auto" is not supported: this server has no parser for '
-                          'tool calls in free text; use "required", a named function '
-                          '({"type": "function", "function": {"name": ...}}) or "none"',
+        if auto_parser is not None:
+            return ToolChoice(tools, "auto")
+        raise bad_request('tool_choice="auto" is not supported: this gateway runs without a '
+                          'parser for tool calls in free text (start it with '
+                          '--enable-auto-tool-choice --tool-call-parser hermes for models of '
+                          'that format); use "required", a named function ({"type": '
+                          '"function", "function": {"name": ...}}) or "none"',
                           param="tool_choice")
     if choice == "required":
         return ToolChoice(tools, "required")
