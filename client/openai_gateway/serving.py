@@ -33,7 +33,7 @@ class _Choice:
     num_output_tokens: int = 0
     offset: int = 0                      # completions' text_offset so far
     prompt_logprobs: Optional[list] = None  # echo with logprobs: the prompt's, from the engine
-    calls: Optional[HermesStream] = None    # tool_choice auto: the stream's call finder
+    hermes: Optional[HermesStream] = None   # tool_choice auto: finds the calls in the stream
 
 
 class Generation:
@@ -174,8 +174,8 @@ class Generation:
                     c.parts.append(chunk.text)
                     c.logprobs.extend(chunk.logprobs or [])
                 elif tools.mode == "auto":          # content as it comes, calls once complete
-                    c.calls = c.calls or HermesStream()
-                    text = c.calls.feed(chunk.text)
+                    c.hermes = c.hermes or HermesStream()
+                    text = c.hermes.feed(chunk.text)
                     if text or chunk.logprobs:
                         yield self._chunk(c, {"content": text}, logprobs=chunk.logprobs)
                 elif chunk.text or chunk.logprobs:
@@ -186,7 +186,7 @@ class Generation:
                         message, finish = tools.message("".join(c.parts), finish)
                         yield self._chunk(c, _indexed(message), logprobs=c.logprobs)
                     elif tools.mode == "auto":
-                        rest, calls = (c.calls or HermesStream()).finish()
+                        rest, calls = (c.hermes or HermesStream()).finish()
                         if rest:
                             yield self._chunk(c, {"content": rest})
                         if calls:
