@@ -1,10 +1,11 @@
 """pagedbackend: a paged-KV LLM engine (vLLM-style) that runs inside NVIDIA Triton."""
 from pagedbackend.config import EngineConfig
-from pagedbackend.outputs import CompletionOutput, RequestOutput
-from pagedbackend.sampling_params import SamplingParams
+from pagedbackend.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
+                                  RequestOutput)
+from pagedbackend.sampling_params import BeamSearchParams, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
-           "CompletionOutput"]
+           "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 
 
 def __getattr__(name):

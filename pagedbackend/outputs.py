@@ -40,3 +40,21 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} (the prompt's token
     # first, then the top-k), None for the first token; None when not asked for
     prompt_logprobs: Optional[Logprobs] = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam, as vLLM's: `tokens` include the prompt, `text` decodes them all (prompt too);
+    `logprobs` holds each generated position's candidates {token_id: logprob};
+    finish_reason "stop" (it ended with an EOS token) or "length"."""
+    tokens: list[int]
+    logprobs: Logprobs
+    cum_logprob: float = 0.0
+    text: Optional[str] = None
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's best beams, best first (by cum_logprob / length ** length_penalty)."""
+    sequences: list[BeamSearchSequence]

@@ -196,3 +196,28 @@ def check_structured_outputs(spec: Any) -> Optional[dict]:
         check(isinstance(value, str) and value.strip() != "", where, value,
               "a non-empty string" + (" (EBNF)" if kind == "grammar" else ""))
     return {kind: value}
+
+
+@dataclass
+class BeamSearchParams:
+    """LLM.beam_search's settings, vLLM's names. Each step scores every live beam's top
+    2 x beam_width next tokens (hence beam_width <= MAX_LOGPROBS / 2)."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False    # accepted for vLLM's callers; no stop strings
+
+    def __post_init__(self) -> None:
+        check(_is_int(self.beam_width) and 1 <= self.beam_width <= MAX_LOGPROBS // 2,
+              "beam_width", self.beam_width, f"an integer in [1, {MAX_LOGPROBS // 2}]")
+        check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT,
+              "max_tokens", self.max_tokens, f"an integer in [1, {MAX_TOKENS_LIMIT}]")
+        check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+              and self.temperature >= 0, "temperature", self.temperature, "a number >= 0")
+        check(isinstance(self.length_penalty, (int, float))
+              and not isinstance(self.length_penalty, bool), "length_penalty",
+              self.length_penalty, "a number")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")

@@ -9,8 +9,8 @@ from typing import Any, Optional, Sequence, Union
 
 from pagedbackend.config import EngineConfig, check
 from pagedbackend.engine.llm_engine import LLMEngine, PromptType
-from pagedbackend.outputs import RequestOutput
-from pagedbackend.sampling_params import SamplingParams
+from pagedbackend.outputs import BeamSearchOutput, RequestOutput
+from pagedbackend.sampling_params import BeamSearchParams, SamplingParams
 
 
 # vLLM arguments that change nothing here, accepted so that scripts written for vLLM run:
@@ -66,6 +66,15 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[rid] for rid in ids]
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search (engine/beam_search.py): each prompt's best
+        params.beam_width sequences, best first."""
+        from pagedbackend.engine.beam_search import beam_search
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return beam_search(self, list(prompts), params)
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
