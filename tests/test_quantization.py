@@ -233,3 +233,31 @@ def test_checkpoints_it_cannot_read_are_refused(llama_dir, tmp_path):
                                          r"\.weight is float8 but its parameter is float32"):
         LLM(str(fp8_dir), **ENGINE)
     assert Path(plain_dir, "model.safetensors").exists()
+
+
+def test_triton_parameter_quantization_serves_fp8(smollm2_dir):
+    """The engine model's `quantization` parameter reaches the engine inside tritonserver: the
+    ensemble's answer is the offline fp8 engine's, word for word, and still names Paris."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from triton_fixtures import TEST_ENGINE_SETTINGS, http_post, running_server
+    prompt = AutoTokenizer.from_pretrained(smollm2_dir).apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
+        add_generation_prompt=True)
+    params = SamplingParams(temperature=0, max_tokens=20, logprobs=0)
+    want, unquantized = (LLM(smollm2_dir, dtype="float32", max_model_len=1024, **kw).generate(
+        prompt, params)[0].outputs[0] for kw in ({"quantization": "fp8"}, {}))
+    with running_server(smollm2_dir, {**TEST_ENGINE_SETTINGS, "quantization": "fp8"}) as server:
+        status, body = http_post(server, "/v2/models/ensemble/generate", {
+            "text_input": prompt, "max_tokens": 20,
+            "sampling_parameters": json.dumps({"temperature": 0, "logprobs": 0})})
+    assert status == 200, body
+    got = json.loads(body)
+    assert got["text_output"] == want.text and "Paris" in want.text
+    # the same text as the unquantized model; the logprobs tell them apart
+    served = [e["logprob"] for e in json.loads(got["logprobs"])]
+    fp8 = [lp[t] for t, lp in zip(want.token_ids, want.logprobs)]
+    full = [lp[t] for t, lp in zip(unquantized.token_ids, unquantized.logprobs)]
+    assert served == pytest.approx(fp8, abs=1e-4) and served != pytest.approx(full, abs=1e-3)
