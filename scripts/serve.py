@@ -44,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="do not start the OpenAI gateway (client/openai_gateway)")
     p.add_argument("--tool-call-parser", default=None,
                    help='the gateway serves tool_choice "auto" with this parser of tool calls '
-                        "in the model's text (hermes: Qwen2.5/Qwen3/Hermes formats)")
+                        "in the model's text (hermes: Qwen2.5/Qwen3/Hermes; llama3_json: "
+                        "Llama 3.1/3.2)")
     p.add_argument("--log-verbose", type=int, default=0)
     return p.parse_args(argv)
 

@@ -697,6 +697,55 @@ def test_hermes_parser_whole_and_streamed_in_any_pieces(text, content, calls):
             assert [c["function"]["name"] for c in streamed_calls] == [n for n, _ in calls]
 
 
+@pytest.mark.parametrize("text, calls", [
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', [("get_weather",
+                                                                  {"city": "Paris"})]),
+    ('<|python_tag|>{"name": "get_time", "arguments": {}}; {"name": "get_weather", '
+     '"parameters": {"city": "Oslo"}}', [("get_time", {}), ("get_weather", {"city": "Oslo"})]),
+    ("  {not json} ", None),
+    ('{"name": "get_time", "parameters": {}} and then some text', None),
+    ("The weather {is} fine.", None),
+    ("<|python", None),
+])
+def test_llama3_json_parser_whole_and_streamed(text, calls):
+    """llama3_json: the whole output is the calls (`;`-joined JSON objects after an optional
+    <|python_tag|>) or it is content; streamed, content goes out once its first characters
+    say so, calls are held whole."""
+    from client.openai_gateway.tools import Llama3JsonStream, llama3_json_calls
+    content, got = llama3_json_calls(text)
+    named = None if got is None else [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                      for c in got]
+    assert named == calls and content == (None if calls else text)
+    for size in (1, 3, 8):
+        stream = Llama3JsonStream()
+        sent = "".join(stream.feed(text[i:i + size]) for i in range(0, len(text), size))
+        rest, streamed = stream.finish()
+        if calls is None:
+            assert sent + rest == text and streamed is None
+        else:
+            assert sent == rest == "" and len(streamed) == len(calls)
+    if not text.lstrip().startswith(("{", "<|")):       # plain text streams from the start
+        assert Llama3JsonStream().feed(text[:2]) == text[:2]
+
+
+def test_auto_tool_choice_llama3_json_through_the_app(fake):
+    client = make(fake, tool_call_parser="llama3_json")
+    fake.answer = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    body = {**CHAT, "tools": [WEATHER]}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [json.loads(c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] \
+        == [{"city": "Paris"}]
+    cs = chunks(client.post("/v1/chat/completions", json={**body, "stream": True}))
+    deltas = [c["choices"][0]["delta"] for c in cs if c["choices"]]
+    assert not any(d.get("content") for d in deltas)
+    assert sum("tool_calls" in d for d in deltas) == 1
+    assert cs[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    fake.answer = ANSWER
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": ANSWER}
+
+
 def test_auto_tool_choice_flags(monkeypatch):
     """vLLM's flags: --enable-auto-tool-choice needs a known --tool-call-parser; the parser
     alone does not turn "auto" on."""

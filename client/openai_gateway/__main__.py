@@ -37,7 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "its calls are found in its text by --tool-call-parser")
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
                    help="the format of tool calls in the model's text: hermes (<tool_call>"
-                        "{json}</tool_call>, Qwen2.5/Qwen3/Hermes chat templates)")
+                        "{json}</tool_call>, Qwen2.5/Qwen3/Hermes chat templates) or "
+                        "llama3_json (Llama 3.1/3.2: the output is the JSON call)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)

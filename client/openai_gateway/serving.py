@@ -11,12 +11,11 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 from client.openai_gateway.backend import Backend, BackendError, BackendRequest, Chunk
 from client.openai_gateway.errors import APIError, from_triton
 from client.openai_gateway.protocol import GenerationRequest
-from client.openai_gateway.tools import HermesStream
 
 _DONE = object()
 
@@ -33,7 +32,7 @@ class _Choice:
     num_output_tokens: int = 0
     offset: int = 0                      # completions' text_offset so far
     prompt_logprobs: Optional[list] = None  # echo with logprobs: the prompt's, from the engine
-    hermes: Optional[HermesStream] = None   # tool_choice auto: finds the calls in the stream
+    splitter: Optional[Any] = None          # tool_choice auto: content and calls of the stream
 
 
 class Generation:
@@ -174,8 +173,8 @@ class Generation:
                     c.parts.append(chunk.text)
                     c.logprobs.extend(chunk.logprobs or [])
                 elif tools.mode == "auto":          # content as it comes, calls once complete
-                    c.hermes = c.hermes or HermesStream()
-                    text = c.hermes.feed(chunk.text)
+                    c.splitter = c.splitter or tools.auto_stream()
+                    text = c.splitter.feed(chunk.text)
                     if text or chunk.logprobs:
                         yield self._chunk(c, {"content": text}, logprobs=chunk.logprobs)
                 elif chunk.text or chunk.logprobs:
@@ -186,7 +185,7 @@ class Generation:
                         message, finish = tools.message("".join(c.parts), finish)
                         yield self._chunk(c, _indexed(message), logprobs=c.logprobs)
                     elif tools.mode == "auto":
-                        rest, calls = (c.hermes or HermesStream()).finish()
+                        rest, calls = (c.splitter or tools.auto_stream()).finish()
                         if rest:
                             yield self._chunk(c, {"content": rest})
                         if calls:

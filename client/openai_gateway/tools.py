@@ -14,6 +14,9 @@ The tools go to the chat template (`tools=`), and a forced choice becomes a stru
   Qwen3, Hermes and others whose chat templates ask for `<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>`): the calls are returned as tool calls (finish_reason
   `tool_calls`), the text around them as content; output whose blocks do not parse is content.
+  `llama3_json` (Llama 3.1/3.2's JSON tool calling): an output that is one or more `{"name":
+  ..., "parameters": {...}}` objects (joined by `;`, after an optional `<|python_tag|>`) is
+  the calls; any other output is content.
 """
 from __future__ import annotations
 
@@ -26,17 +29,18 @@ from typing import Any, Optional
 from client.openai_gateway.errors import bad_request
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-TOOL_PARSERS = ("hermes",)
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_PARSERS = ("hermes", "llama3_json")
+_HERMES_OPEN = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
 @dataclass
 class ToolChoice:
     tools: list[dict] = field(default_factory=list)      # as given, for the chat template
-    mode: str = "none"                          # "none" | "named" | "required" | "auto"
+    mode: str = "none"                                   # none | named | required | auto
     name: Optional[str] = None                           # the named function
     call_ids: dict = field(default_factory=dict)         # choice index -> call id (streams)
+    parser: Optional[str] = None                         # mode auto: one of TOOL_PARSERS
 
     def structured_outputs(self) -> Optional[dict]:
         """The structured output that forces the choice, or None for plain text."""
@@ -55,7 +59,7 @@ class ToolChoice:
         """(the assistant message, finish_reason) of a finished choice."""
         content = None
         if self.mode == "auto":
-            content, calls = hermes_calls(text)
+            content, calls = PARSERS[self.parser][0](text)
         else:
             calls = self.calls(text, finish_reason)
         if calls is None:
@@ -77,6 +81,10 @@ class ToolChoice:
             return None
         return [_call(it["name"], json.dumps(it["parameters"], ensure_ascii=False))
                 for it in items]
+
+    def auto_stream(self) -> "HermesStream | Llama3JsonStream":
+        """A splitter of one streamed choice into content and calls (mode auto)."""
+        return PARSERS[self.parser][1]()
 
     def stream_head(self, index: int) -> dict:
         """A named call's first delta: its id, type and name, arguments to follow."""
@@ -146,6 +154,66 @@ class HermesStream:
         return _HERMES_BLOCK.sub("", rest).strip(), calls
 
 
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def llama3_json_calls(text: str) -> tuple[Optional[str], Optional[list[dict]]]:
+    """(None, calls) when the whole output (after an optional <|python_tag|>) is `;`-joined
+    {"name": str, "parameters" (or "arguments"): object} objects, else (text, None)."""
+    body = text.strip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG):].lstrip()
+    if not body.startswith("{"):
+        return text, None
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return text, None
+        args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
+        if not isinstance(obj.get("name") if isinstance(obj, dict) else None, str) \
+                or not isinstance(args, dict):
+            return text, None
+        calls.append(_call(obj["name"], json.dumps(args, ensure_ascii=False)))
+        at = end
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return None, calls
+
+
+class Llama3JsonStream:
+    """An output is calls or content as a whole: content goes out as it comes once its first
+    characters are neither `{` nor (the start of) `<|python_tag|>`; otherwise it is held for
+    llama3_json_calls at the end."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = 0
+        self.content: Optional[bool] = None     # None: not decided yet
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        if self.content is None:
+            head = self.text.lstrip()
+            if not head or _PYTHON_TAG.startswith(head):
+                return ""
+            self.content = not (head.startswith("{") or head.startswith(_PYTHON_TAG))
+        if not self.content:
+            return ""
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+    def finish(self) -> tuple[str, Optional[list[dict]]]:
+        _, calls = llama3_json_calls(self.text)
+        return ("", calls) if calls is not None else (self.text[self.sent:], None)
+
+
+# parser name -> (whole output -> (content, calls), a stream splitter)
+PARSERS = {"hermes": (hermes_calls, HermesStream),
+           "llama3_json": (llama3_json_calls, Llama3JsonStream)}
+
+
 def parse_tools(body: dict, auto_parser: Optional[str] = None) -> ToolChoice:
     tools = body.get("tools")
     choice = body.get("tool_choice")
@@ -164,7 +232,7 @@ def parse_tools(body: dict, auto_parser: Optional[str] = None) -> ToolChoice:
         return ToolChoice(tools, "none")
     if choice is None or choice == "auto":
         if auto_parser is not None:
-            return ToolChoice(tools, "auto")
+            return ToolChoice(tools, "auto", parser=auto_parser)
         raise bad_request('tool_choice="auto" is not supported: this gateway runs without a '
                           'parser for tool calls in free text (start it with '
                           '--enable-auto-tool-choice --tool-call-parser hermes for models of '
