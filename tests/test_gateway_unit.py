@@ -670,6 +670,18 @@ def test_auto_tool_choice_finds_hermes_calls_in_the_text(fake):
         assert cs[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def named_calls(calls):
+    """[(name, arguments)] of parsed tool calls, or None."""
+    return None if calls is None else [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def feed_in_pieces(stream, text, size):
+    """(content sent while streaming, content left at the end, calls) of text cut in pieces."""
+    sent = "".join(stream.feed(text[i:i + size]) for i in range(0, len(text), size))
+    return (sent, *stream.finish())
+
+
 @pytest.mark.parametrize("text, content, calls", [
     (HERMES, "Let me check.", [("get_weather", {"city": "Paris"})]),
     ('<tool_call>{"name": "get_time", "parameters": {}}</tool_call>\n<tool_call>'
@@ -682,14 +694,9 @@ def test_auto_tool_choice_finds_hermes_calls_in_the_text(fake):
 def test_hermes_parser_whole_and_streamed_in_any_pieces(text, content, calls):
     from client.openai_gateway.tools import HermesStream, hermes_calls
     got_content, got_calls = hermes_calls(text)
-    assert got_content == content
-    named = None if got_calls is None else [
-        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls]
-    assert named == calls
+    assert got_content == content and named_calls(got_calls) == calls
     for size in (1, 2, 5, 11):      # the stream: content never shows a tag, however it is cut
-        stream = HermesStream()
-        sent = "".join(stream.feed(text[i:i + size]) for i in range(0, len(text), size))
-        rest, streamed_calls = stream.finish()
+        sent, rest, streamed_calls = feed_in_pieces(HermesStream(), text, size)
         if calls is None:
             assert sent + rest == text and streamed_calls is None
         else:
@@ -713,13 +720,9 @@ def test_llama3_json_parser_whole_and_streamed(text, calls):
     say so, calls are held whole."""
     from client.openai_gateway.tools import Llama3JsonStream, llama3_json_calls
     content, got = llama3_json_calls(text)
-    named = None if got is None else [(c["function"]["name"], json.loads(c["function"]["arguments"]))
-                                      for c in got]
-    assert named == calls and content == (None if calls else text)
+    assert named_calls(got) == calls and content == (None if calls else text)
     for size in (1, 3, 8):
-        stream = Llama3JsonStream()
-        sent = "".join(stream.feed(text[i:i + size]) for i in range(0, len(text), size))
-        rest, streamed = stream.finish()
+        sent, rest, streamed = feed_in_pieces(Llama3JsonStream(), text, size)
         if calls is None:
             assert sent + rest == text and streamed is None
         else:

@@ -103,14 +103,12 @@ def hermes_calls(text: str) -> tuple[Optional[str], Optional[list[dict]]]:
     calls = []
     for block in _HERMES_BLOCK.findall(text):
         try:
-            obj = json.loads(block)
+            call = _parsed_call(json.loads(block), ("arguments", "parameters"), {})
         except json.JSONDecodeError:
             return text, None
-        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) \
-                or not isinstance(args, dict):
+        if call is None:
             return text, None
-        calls.append(_call(obj["name"], json.dumps(args, ensure_ascii=False)))
+        calls.append(call)
     content = _HERMES_BLOCK.sub("", text).strip()
     return content or None, calls
 
@@ -171,11 +169,10 @@ def llama3_json_calls(text: str) -> tuple[Optional[str], Optional[list[dict]]]:
             obj, end = decoder.raw_decode(body, at)
         except json.JSONDecodeError:
             return text, None
-        args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
-        if not isinstance(obj.get("name") if isinstance(obj, dict) else None, str) \
-                or not isinstance(args, dict):
+        call = _parsed_call(obj, ("parameters", "arguments"), None)
+        if call is None:
             return text, None
-        calls.append(_call(obj["name"], json.dumps(args, ensure_ascii=False)))
+        calls.append(call)
         at = end
         while at < len(body) and body[at] in " \t\r\n;":
             at += 1
@@ -235,9 +232,9 @@ def parse_tools(body: dict, auto_parser: Optional[str] = None) -> ToolChoice:
             return ToolChoice(tools, "auto", parser=auto_parser)
         raise bad_request('tool_choice="auto" is not supported: this gateway runs without a '
                           'parser for tool calls in free text (start it with '
-                          '--enable-auto-tool-choice --tool-call-parser hermes for models of '
-                          'that format); use "required", a named function ({"type": '
-                          '"function", "function": {"name": ...}}) or "none"',
+                          '--enable-auto-tool-choice --tool-call-parser NAME, NAME one of '
+                          f'{", ".join(TOOL_PARSERS)}); use "required", a named function '
+                          '({"type": "function", "function": {"name": ...}}) or "none"',
                           param="tool_choice")
     if choice == "required":
         return ToolChoice(tools, "required")
@@ -259,6 +256,17 @@ def _is_tool(t: Any) -> bool:
             and bool(_NAME.match(fn["name"]))
             and isinstance(fn.get("parameters") or {}, dict)
             and isinstance(fn.get("description", ""), str))
+
+
+def _parsed_call(obj: Any, arg_keys: tuple[str, str], missing: Any) -> Optional[dict]:
+    """A call from a parsed {"name": str, <arg_keys[0] or [1]>: object}, the first key
+    preferred (`missing` when neither is there); None when obj is not that."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(arg_keys[0], obj.get(arg_keys[1], missing))
+    if not isinstance(args, dict):
+        return None
+    return _call(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 def _call_id() -> str:
