@@ -78,19 +78,27 @@ def dequantize(wq: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype) -> t
 def quantize_model_fp8(model: nn.Module) -> int:
     """Replace every column- and row-parallel layer's weight by its e4m3 form and per-channel
     scale (`weight_scale`), freeing the 16-bit weight; returns the number of layers changed."""
-    from pagedbackend.layers.linear import ColumnParallelLinear, RowParallelLinear
     count = 0
     with torch.no_grad():
-        for module in model.modules():
-            if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                continue
+        for module in _linear_layers(model):
             wq, scale = quantize_weight_fp8(module.weight)
-            loader = module.weight.weight_loader
-            module.weight = nn.Parameter(wq, requires_grad=False)
-            module.weight.weight_loader = loader
+            _set_weight(module, wq)
             module.weight_scale = scale
             count += 1
     return count
+
+
+def _linear_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers fp8 applies to: every column- and row-parallel linear layer."""
+    from pagedbackend.layers.linear import ColumnParallelLinear, RowParallelLinear
+    return [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+
+
+def _set_weight(module: nn.Module, weight: torch.Tensor) -> None:
+    """module.weight becomes `weight`, keeping the old parameter's checkpoint loader."""
+    loader = module.weight.weight_loader
+    module.weight = nn.Parameter(weight, requires_grad=False)
+    module.weight.weight_loader = loader
 
 
 def checkpoint_quantization(hf_config: dict, model_dir: str) -> Optional[str]:
@@ -124,14 +132,9 @@ def prepare_fp8_checkpoint(model: nn.Module) -> None:
     """Before loading an FP8 checkpoint: every column- and row-parallel layer gets an e4m3
     weight and a `weight_scale` parameter [N], each with a loader for the checkpoint's tensors
     (`*.weight` in e4m3, `*.weight_scale` a scalar or one value per output row)."""
-    from pagedbackend.layers.linear import ColumnParallelLinear, RowParallelLinear
-    for module in model.modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            continue
+    for module in _linear_layers(model):
         old = module.weight
-        module.weight = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device),
-                                     requires_grad=False)
-        module.weight.weight_loader = old.weight_loader
+        _set_weight(module, torch.empty(old.shape, dtype=FP8, device=old.device))
         scale = torch.empty(old.shape[0], dtype=torch.float32, device=old.device)
         module.weight_scale = nn.Parameter(scale, requires_grad=False)
         module.weight_scale.weight_loader = _scale_loader(module)
