@@ -6,6 +6,9 @@ Each GEMM is timed inside a CUDA graph with the L2 cache flushed before it (the 
 `_time_us`), so the figures are device time as a decode step replays it. Prints µs and TFLOP/s
 per projection and row count, and for each row count the whole model's GEMM time per token:
 the bound the GEMMs put on W2's throughput (a step of M rows needs at least this much).
+With `--chunks 1024,2048` each row count above a chunk size is also timed as GEMMs of that
+many rows one after the other into one output (what a prefill step of M rows could run), and
+`--blas cublaslt` times everything through cuBLASLt instead of torch's default library.
 At small row counts (`--rows 8,16,32,64`: W4's and W5's narrow steps) the weights' bytes set the
 time, so each figure also has its TB/s (weights + input + output bytes) against HBM's 4.27.
 """
@@ -64,6 +67,13 @@ def sweep(rows: list[int]) -> None:
                   f"{best}", flush=True)
 
 
+def chunked(x: torch.Tensor, w: torch.Tensor, chunk: int, out: torch.Tensor) -> torch.Tensor:
+    """x @ w.T as GEMMs of `chunk` rows, each into its slice of out."""
+    for i in range(0, x.shape[0], chunk):
+        torch.mm(x[i:i + chunk], w.t(), out=out[i:i + chunk])
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="64,128,256,384,512,768,1024,2048,4096,8192")
@@ -74,7 +84,15 @@ def main():
                     help="time SWEEP's tensor-core tiles at --rows "
                          "(each <= MAX_DOT_ROWS) on the four layer projections: the best three "
                          "per shape beside cuBLAS")
+    ap.add_argument("--chunks", default="",
+                    help="comma-separated chunk sizes: also time each row count above one "
+                         "as GEMMs of that many rows")
+    ap.add_argument("--blas", default="", help="torch.backends.cuda.preferred_blas_library")
     a = ap.parse_args()
+    if a.blas:
+        torch.backends.cuda.preferred_blas_library(a.blas)
+    print(f"BLAS library: {torch.backends.cuda.preferred_blas_library()}", flush=True)
+    chunks = [int(c) for c in a.chunks.split(",") if c]
     if a.sweep:
         return sweep([int(r) for r in a.rows.split(",")])
     rows = [int(r) for r in a.rows.split(",")]
@@ -83,6 +101,7 @@ def main():
     table = []
     for m in rows:
         per_token_us, line = 0.0, [f"M={m:<5}"]
+        chunk_us = {c: 0.0 for c in chunks if c < m}
         for name, n, k, count in SHAPES:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             w = weights[name]
@@ -95,12 +114,19 @@ def main():
                            for c in gemv.DOT_CANDIDATES)
                 line.append(f"(triton {best[0]:.1f} {best[1][:4]})")
             per_token_us += us * count / m
+            for c in chunk_us:
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                cus = _time_us(lambda c=c, out=out: chunked(x, w, c, out))
+                line.append(f"[{c}-row chunks {cus:8.1f} us "
+                            f"{2 * m * n * k / (cus * 1e-6) / 1e12:5.0f} TF/s]")
+                chunk_us[c] += cus * count / m
         # lm_head runs for every decode row; prefill rows only need it for their last token
-        table.append((m, per_token_us))
+        table.append((str(m), per_token_us))
+        table.extend((f"{m} in {c}s", us) for c, us in chunk_us.items())
         print("  ".join(line), flush=True)
     print("\nrows | GEMM us per token (all 32 layers + LM head) | tok/s bound from GEMMs alone")
     for m, us in table:
-        print(f"{m:5d} | {us:8.2f} | {1e6 / us:9.0f}")
+        print(f"{m:>12} | {us:8.2f} | {1e6 / us:9.0f}")
 
 
 if __name__ == "__main__":

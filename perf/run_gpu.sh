@@ -74,6 +74,9 @@ for s in $stages; do
     w2abpdl) run w2abpdl 200 python3 perf/w2_fixed.py --shapes 128-128 --ab nopdl ;;
     # W2 128/128 (profiled: one wave) and 2048/128 at max_num_batched_tokens 8192 (default),
     # 2048 and 4096 in one process: GEMMs run faster at 2048 rows than at 8192 (gemm stage)
+    # W2 128/128 and 2048/128 A-B-A: prefill matmuls whole, in 2,048-row GEMMs, whole again
+    w2chunk) run w2chunk 360 python3 perf/w2_fixed.py --shapes 128-128,2048-128 \
+               --ab chunk2048,default ;;
     w2mbt) run w2mbt 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --profile \
              --ab mbt2048,mbt4096 ;;
     # W2 128/128 with the rotary + KV write in the decode kernel (default) and in their own
@@ -126,6 +129,14 @@ for s in $stages; do
     benchsweep) run benchsweep 200 python3 perf/kernels_bench.py --sweep ;;
     # cuBLAS at llama-3.1-8b's projection shapes across row counts (W2's GEMM bound), ~30 s
     gemm) run gemm 90 python3 perf/gemm_bench.py ;;
+    # prefill-sized GEMMs whole and in 1,024/2,048/4,096-row pieces, through cuBLAS then
+    # cuBLASLt, with the SM clock and power logged each second (is 8,192 rows slower by power?)
+    gemmchunk) nvidia-smi dmon -s pc -d 1 > "$out/gemmchunk-dmon.log" 2>&1 & dmon=$!
+               run gemmchunk 150 python3 perf/gemm_bench.py --rows 512,2048,4096,8192 \
+                 --chunks 1024,2048,4096
+               run gemmchunklt 150 python3 perf/gemm_bench.py --rows 2048,8192 --chunks 2048 \
+                 --blas cublaslt
+               kill $dmon ;;
     # tensor-core tiles for 16 and 64 rows against cuBLAS
     gemmsweep) run gemmsweep 240 python3 perf/gemm_bench.py --sweep --rows 16,64 ;;
     # cuBLAS at the narrow steps of W4 (~30-40 rows) and W5's tail: how near HBM bandwidth

@@ -50,6 +50,19 @@ def test_variants_are_cumulative_and_default_restores_everything(perf_module):
     assert all(e.stopped for e in engines)
 
 
+def test_chunk_variant_sets_the_gemm_chunk_and_default_clears_it(perf_module):
+    from pagedbackend.layers import linear
+    perf = perf_module("common")
+    start, seen = linear.GEMM_CHUNK_ROWS, []
+    try:
+        perf.run_variants("chunk2048,default,chunk1024", FakeLLM,
+                          lambda llm, label: seen.append((label, linear.GEMM_CHUNK_ROWS)))
+    finally:
+        linear.GEMM_CHUNK_ROWS = start
+    assert seen == [("default", start), ("chunk2048", 2048), ("default-again", start),
+                    ("chunk1024", 1024)]
+
+
 def test_repeated_default_runs_get_labels_of_their_own(perf_module):
     # the labels name the result files: two re-runs of the default must not share one
     perf = perf_module("common")
