@@ -75,7 +75,7 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
 
 
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
-           "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, chunk<N>, ropekernel, "
+           "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, chunk<N>, blaslt, ropekernel, "
            "oldtiles, eagerprefill, decode3, gridorder, fp8kv, fp8n64, fp8w, nopdl, cublas; "
            "default runs the default again (perf/common.run_variants)")
 
@@ -86,7 +86,8 @@ def run_variants(names: str, make_llm, body) -> None:
     in names, cumulative: noprefetch (no weight prefetch into L2 before the PDL wait), pf<MB>
     (that prefetch budget instead of the default), pfplain<MB> (only matmuls without a
     prologue prefetch, that much), mbt<N> (make_llm(max_num_batched_tokens=N)), chunk<N>
-    (matmuls of more than N rows as GEMMs of N rows, linear.GEMM_CHUNK_ROWS), ropekernel (a
+    (matmuls of more than N rows as GEMMs of N rows, linear.GEMM_CHUNK_ROWS), blaslt (torch's
+    matmuls through cuBLASLt: torch.backends.cuda.preferred_blas_library), ropekernel (a
     decode step's rotary + KV write in their own kernel, not in the attention kernel),
     eagerprefill (no CUDA graphs for single-sequence prefills), oldtiles (the prefill tile
     before the sweep of 2026-12-03: 128 x 64 with 8 warps), decode3 (decode attention with 3
@@ -112,12 +113,12 @@ def run_variants(names: str, make_llm, body) -> None:
                                     ("chunk", "chunk"))
                      if v.startswith(p) and v[len(p):].isdigit()), v)
     for name in variants:
-        if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "chunk", "ropekernel",
+        if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "chunk", "blaslt", "ropekernel",
                               "eagerprefill", "oldtiles", "decode3", "gridorder", "fp8kv",
                               "fp8n64", "fp8w", "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, "
-                             "mbt<N>, chunk<N>, ropekernel, eagerprefill, oldtiles, decode3, "
-                             "gridorder, fp8kv, fp8n64, fp8w, nopdl, cublas or default")
+                             "mbt<N>, chunk<N>, blaslt, ropekernel, eagerprefill, oldtiles, "
+                             "decode3, gridorder, fp8kv, fp8n64, fp8w, nopdl, cublas or default")
     steps, active, again = [("default", None)], [], 0
     for v in variants:
         if v == "default":      # later re-runs numbered: labels name the result files
@@ -138,12 +139,16 @@ def run_variants(names: str, make_llm, body) -> None:
                     (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"),
                     (linear, "GEMM_CHUNK_ROWS"))
         initial = [getattr(mod, name) for mod, name in switches]
+    blas = torch.backends.cuda.preferred_blas_library()
     overrides = {}
     for label, switch in steps:
         if switch == "default":
             for (mod, name), value in zip(switches, initial):
                 setattr(mod, name, value)
+            torch.backends.cuda.preferred_blas_library(blas)
             overrides = {}
+        elif switch == "blaslt":
+            torch.backends.cuda.preferred_blas_library("cublaslt")
         elif switch == "nopdl":
             common.PDL_ENABLED = False
         elif switch == "cublas":

@@ -74,6 +74,12 @@ for s in $stages; do
     w2abpdl) run w2abpdl 200 python3 perf/w2_fixed.py --shapes 128-128 --ab nopdl ;;
     # W2 128/128 (profiled: one wave) and 2048/128 at max_num_batched_tokens 8192 (default),
     # 2048 and 4096 in one process: GEMMs run faster at 2048 rows than at 8192 (gemm stage)
+    # decode-sized GEMMs through cuBLAS, then cuBLASLt (call 44: cuBLASLt ran 8,192-row
+    # prefill GEMMs 6.6% faster), then W2 128/128 and 2048/128 A-B-A with torch on cuBLASLt
+    gemmlt) run gemmlt 120 python3 perf/gemm_bench.py --rows 64,256,512,1024,4096
+            run gemmlt2 120 python3 perf/gemm_bench.py --rows 64,256,512,1024,4096 --blas cublaslt ;;
+    w2blaslt) run w2blaslt 360 python3 perf/w2_fixed.py --shapes 128-128,2048-128 \
+                --ab blaslt,default ;;
     # W2 128/128 and 2048/128 A-B-A: prefill matmuls whole, in 2,048-row GEMMs, whole again
     w2chunk) run w2chunk 360 python3 perf/w2_fixed.py --shapes 128-128,2048-128 \
                --ab chunk2048,default ;;
