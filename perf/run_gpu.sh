@@ -25,6 +25,8 @@ base_py=$(PATH=${PATH#/tmp/tsenv/bin:} command -v python3)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 for s in $stages; do
   case $s in
+    # the SM clock and board power each second until the call ends (nvidia-smi dmon)
+    dmon) nvidia-smi dmon -s pc -d 1 > "$out/dmon.log" 2>&1 & ;;
     kernels) run kernels 240 python3 -m pytest -q -x tests/test_kernels.py ;;
     # the GPU-only engine tests of the kernels file and the newest kernels' parity, ~1 min
     kernelsnew) run kernelsnew 120 python3 -m pytest -q tests/test_kernels.py -k "skinny or compiles or argmax or layers_run or rotary or dispatch" ;;
@@ -120,7 +122,7 @@ for s in $stages; do
     # quantization fp8 (weights in e4m3): the skinny kernel on fp8 weights and the per-row
     # quantization at real shapes, the tuner, the engine's no-compile test; then W1, W2
     # (128/128, 2048/128) and W5's requests into the engine, bf16 then fp8 weights (+ fp8 KV)
-    fp8w) run fp8w 240 python3 -m pytest -q tests/test_kernels.py -k "fp8_weights or quantize_rows or tuning or dispatch or graphs-fp8" ;;
+    fp8w) run fp8w 240 python3 -m pytest -q tests/test_kernels.py -k "fp8_weights or quantize_rows or tuning or dispatch or graphs-fp8 or w8a8" ;;
     w1fp8w) run w1fp8w 260 python3 perf/w1_decode.py --profile --ab fp8w ;;
     w2fp8w) run w2fp8w 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab fp8w ;;
     w5fp8w) run w5fp8w 280 python3 perf/w3_mix.py --model llama-3.1-8b --ab fp8w,fp8kv ;;
