@@ -202,6 +202,7 @@ for s in $stages; do
             NAME=llama-3.1-8b-seqs256 BUDGET_S=210 OUT="$out/w4-seqs256" bash perf/w4_gpu.sh ;;
   esac
 done
+jobs -p | xargs -r kill      # the dmon stage's logger
 # At most 8 files come back from a device call: everything (the result JSONs too) travels in
 # one archive; the JSONs also travel alone when there are at most 7 of them.
 (cd "$out" && items=$(ls -A | grep -vx logs.tgz) && [ -n "$items" ] && tar czf logs.tgz $items \
