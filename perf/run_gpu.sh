@@ -137,6 +137,9 @@ for s in $stages; do
     benchsweep) run benchsweep 200 python3 perf/kernels_bench.py --sweep ;;
     # cuBLAS at llama-3.1-8b's projection shapes across row counts (W2's GEMM bound), ~30 s
     gemm) run gemm 90 python3 perf/gemm_bench.py ;;
+    # the W8A8 tiles on e4m3 weights at 1 and 4 rows against the FP8 GEMM path and W8A16
+    gemmw8a8) run gemmw8a8 200 python3 perf/gemm_bench.py --fp8 --rows 1,4 ;;
+    w8a8) run w8a8 120 python3 -m pytest -q tests/test_kernels.py -k "w8a8" ;;
     # prefill-sized GEMMs whole and in 1,024/2,048/4,096-row pieces, through cuBLAS then
     # cuBLASLt, with the SM clock and power logged each second (is 8,192 rows slower by power?)
     gemmchunk) nvidia-smi dmon -s pc -d 1 > "$out/gemmchunk-dmon.log" 2>&1 & dmon=$!
