@@ -67,27 +67,6 @@ def sweep(rows: list[int]) -> None:
                   f"{best}", flush=True)
 
 
-def fp8_sweep(rows: list[int]) -> None:
-    """fp8 weights (quantization="fp8"), plain prologue: the FP8 GEMM path (per-row input
-    quantization + cuBLASLt) against a W8A16 broadcast tile and every W8A8 tile, µs and the
-    e4m3 weights' TB/s."""
-    from pagedbackend.layers.quantization import fp8_linear, quantize_weight_fp8
-    tiles = ((8, 1024, 4, 3), (8, 1024, 4, 5)) + gemv.W8A8_CANDIDATES
-    for m in rows:
-        for name, n, k, _ in SHAPES[:4]:
-            wq, s = quantize_weight_fp8(torch.randn(n, k, device="cuda") * 0.02)
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            base = _time_us(lambda: fp8_linear(x, wq, s))
-            line = [f"M={m} {name:8} FP8 GEMM {base:6.1f} us"]
-            for cfg in tiles:
-                try:
-                    us = _time_us(lambda c=cfg: gemv.skinny_linear(x, wq, None, c, weight_scale=s))
-                    line.append(f"{cfg}: {us:6.1f} us {n * k / us / 1e6:.2f} TB/s")
-                except Exception as e:      # noqa: BLE001  (e.g. out of shared memory)
-                    line.append(f"{cfg}: {type(e).__name__}")
-            print("\n    ".join(line), flush=True)
-
-
 def chunked(x: torch.Tensor, w: torch.Tensor, chunk: int, out: torch.Tensor) -> torch.Tensor:
     """x @ w.T as GEMMs of `chunk` rows, each into its slice of out."""
     for i in range(0, x.shape[0], chunk):
@@ -108,8 +87,6 @@ def main():
     ap.add_argument("--chunks", default="",
                     help="comma-separated chunk sizes: also time each row count above one "
                          "as GEMMs of that many rows")
-    ap.add_argument("--fp8", action="store_true",
-                    help="time the W8A8 tiles on e4m3 weights at --rows (each <= 4)")
     ap.add_argument("--blas", default="", help="torch.backends.cuda.preferred_blas_library")
     a = ap.parse_args()
     if a.blas:
@@ -118,8 +95,6 @@ def main():
     chunks = [int(c) for c in a.chunks.split(",") if c]
     if a.sweep:
         return sweep([int(r) for r in a.rows.split(",")])
-    if a.fp8:
-        return fp8_sweep([int(r) for r in a.rows.split(",")])
     rows = [int(r) for r in a.rows.split(",")]
     weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                for name, n, k, _ in SHAPES}

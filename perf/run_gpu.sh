@@ -122,7 +122,7 @@ for s in $stages; do
     # quantization fp8 (weights in e4m3): the skinny kernel on fp8 weights and the per-row
     # quantization at real shapes, the tuner, the engine's no-compile test; then W1, W2
     # (128/128, 2048/128) and W5's requests into the engine, bf16 then fp8 weights (+ fp8 KV)
-    fp8w) run fp8w 240 python3 -m pytest -q tests/test_kernels.py -k "fp8_weights or quantize_rows or tuning or dispatch or graphs-fp8 or w8a8" ;;
+    fp8w) run fp8w 240 python3 -m pytest -q tests/test_kernels.py -k "fp8_weights or quantize_rows or tuning or dispatch or graphs-fp8" ;;
     w1fp8w) run w1fp8w 260 python3 perf/w1_decode.py --profile --ab fp8w ;;
     w2fp8w) run w2fp8w 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab fp8w ;;
     w5fp8w) run w5fp8w 280 python3 perf/w3_mix.py --model llama-3.1-8b --ab fp8w,fp8kv ;;
@@ -137,9 +137,6 @@ for s in $stages; do
     benchsweep) run benchsweep 200 python3 perf/kernels_bench.py --sweep ;;
     # cuBLAS at llama-3.1-8b's projection shapes across row counts (W2's GEMM bound), ~30 s
     gemm) run gemm 90 python3 perf/gemm_bench.py ;;
-    # the W8A8 tiles on e4m3 weights at 1 and 4 rows against the FP8 GEMM path and W8A16
-    gemmw8a8) run gemmw8a8 200 python3 perf/gemm_bench.py --fp8 --rows 1,4 ;;
-    w8a8) run w8a8 120 python3 -m pytest -q tests/test_kernels.py -k "w8a8" ;;
     # prefill-sized GEMMs whole and in 1,024/2,048/4,096-row pieces, through cuBLAS then
     # cuBLASLt, with the SM clock and power logged each second (is 8,192 rows slower by power?)
     gemmchunk) nvidia-smi dmon -s pc -d 1 > "$out/gemmchunk-dmon.log" 2>&1 & dmon=$!

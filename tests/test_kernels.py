@@ -535,50 +535,6 @@ def test_skinny_linear_fp8_weights_matches_the_dequantized_weight(cfg, dtype):
         assert rel_err(y, torch.nn.functional.linear(act.float(), w)) < 2 * tol, m
 
 
-@pytest.mark.parametrize("cfg", [(16, 512, 4, 4, "w8a8"), (64, 256, 4, 4, "w8a8t")],
-                         ids=["w8a8", "w8a8-swapped"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16] + ([] if CUDA else [torch.float32]))
-def test_skinny_w8a8_quantizes_each_input_row_then_multiplies_e4m3(cfg, dtype):
-    """The W8A8 tiles: each input row, after the prologue, quantized to e4m3 with its own scale
-    (quantize_rows_fp8's numbers: the wide path's), e4m3 x e4m3 products, then the row's scale,
-    the channel's scale and (for the norms) 1/rms. The reference quantizes with the per-row
-    kernel, so the CPU interpreter's e4m3 rounding (see the test below) is on both sides. On
-    the H200 in bf16 only: fp32 input tiles overflow shared memory, and Hopper's e4m3 products
-    accumulate below fp32 precision (2e-4 relative, call 46)."""
-    from pagedbackend.kernels.gemv import ADD_NORM, SILU_MUL, skinny_linear
-    from pagedbackend.kernels.quant import quantize_rows_fp8
-    n, k = (6144, 4096) if CUDA else (80, 200)
-
-    def w8a8(xin, wq, s):
-        q, row_scale = quantize_rows_fp8(xin.float().contiguous())
-        return q.float() @ wq.float().T * row_scale * s
-
-    for m in (1, 3):
-        wq, s, w = fp8_weight(n, k)
-        x = torch.randn(m, k, device=DEV).to(dtype)
-        b = torch.randn(n, device=DEV).to(dtype) if m == 3 else None
-        y = skinny_linear(x, wq, b, cfg, weight_scale=s)
-        assert y.shape == (m, n) and y.dtype == dtype
-        ref = w8a8(x, wq, s) + (0 if b is None else b.float())
-        assert rel_err(y, ref) < EXACTISH[dtype], m
-        # ... not the W8A16 product: the input's rounding to e4m3 shows (~1e-2 of the result)
-        w8a16 = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
-        assert rel_err(ref, w8a16) > 1e-3
-        # the residual add + RMSNorm prologue: x * gain quantized, 1/rms on the products
-        r = torch.randn(m, k, device=DEV).to(dtype)
-        g = (1 + 0.5 * torch.randn(k, device=DEV)).to(dtype)
-        y, r_out = skinny_linear(x, wq, None, cfg, ADD_NORM, r, g, 1e-5, s)
-        assert rel_err(r_out, x.float() + r.float()) < EXACTISH[dtype]
-        summed = r_out.float()      # the interpreter truncates to bf16: the kernel's own sum
-        rstd = torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5)
-        assert rel_err(y, w8a8(summed * g.float(), wq, s) * rstd) < EXACTISH[dtype], m
-        # SiLU(gate) * up before the matmul (gate|up of width 2k)
-        gate_up = torch.randn(m, 2 * k, device=DEV).to(dtype)
-        y = skinny_linear(gate_up, wq, None, cfg, SILU_MUL, weight_scale=s)
-        act = kernels.silu_and_mul(gate_up)
-        assert rel_err(y, w8a8(act, wq, s)) < 2 * EXACTISH[dtype], m
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantize_rows_fp8_matches_reference(dtype):
     """The input of an FP8 matmul: each row scaled so its largest magnitude is 448, rounded to
@@ -691,35 +647,6 @@ def test_skinny_tuning_picks_the_fastest_agreeing_tile_in_its_fused_form(monkeyp
         monkeypatch.setattr(gemv_tuning, "_time_us", time_us)
         assert gemv_tuning._tune(x, w, None, kind) == expect
         assert timed[0] is None and set(timed[1:]) == set(cands) - {wrong}
-
-
-def test_skinny_tuning_tries_w8a8_tiles_at_one_row_for_fp8_weights(monkeypatch):
-    """fp8 weights at one row: the broadcast-product tiles (W8A16) and the W8A8 tiles are timed,
-    the 16-bit tensor-core tiles are not; a W8A8 tile agrees with the FP8 GEMM path it replaces
-    (same input quantization) and wins when fastest, in the fused norm form too."""
-    from pagedbackend.kernels import gemv, gemv_tuning
-    n, k = (1024, 512) if CUDA else (32, 64)
-    wq, s, _ = fp8_weight(n, k)
-    x = torch.randn(1, k, device=DEV).to(torch.bfloat16 if CUDA else torch.float32)
-    fastest = gemv.W8A8_CANDIDATES[1]
-    # the FP8 GEMM path quantizes its input with the per-row kernel, as on CUDA: the CPU
-    # interpreter's e4m3 rounding (test_quantize_rows_fp8_matches_reference) on both sides
-    from pagedbackend.kernels.quant import quantize_rows_fp8
-    from pagedbackend.layers import quantization
-    monkeypatch.setattr(quantization, "quantize_rows_fp8",
-                        lambda a: quantize_rows_fp8(a.contiguous()))
-    for kind in (gemv.PLAIN, gemv.ADD_NORM):
-        timed = []
-
-        def time_us(fn):
-            fn()
-            cfg = fn.__defaults__[0] if fn.__defaults__ else None    # None: the baseline
-            timed.append(cfg)
-            return 10.0 if cfg is None else 2.0 if cfg == fastest else 9.0
-        monkeypatch.setattr(gemv_tuning, "_time_us", time_us)
-        assert gemv_tuning._tune(x, wq, None, kind, s) == fastest
-        assert set(timed[1:]) == set(gemv.CANDIDATES + gemv.W8A8_CANDIDATES) | {
-            c for c in gemv.FP8_CANDIDATES if len(c) == 4}
 
 
 @pytest.mark.skipif(not CUDA, reason="the cuBLAS-vs-triton choice is timed on a CUDA device")

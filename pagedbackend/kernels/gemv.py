@@ -23,8 +23,6 @@ import triton.language as tl
 
 from pagedbackend.kernels.common import (dot_precision, l2_prefetch, mma, pdl_launch,
                                          pdl_trigger, pdl_wait, prefetch_programs)
-from pagedbackend.layers.attention import FP8_MAX
-from pagedbackend.layers.quantization import MIN_SCALE
 
 MAX_ROWS = 4
 # (BLOCK_N, BLOCK_K at one row, num_warps, num_stages); BLOCK_K shrinks as rows grow so the
@@ -44,17 +42,6 @@ DOT_CANDIDATES = ((16, 256, 4, 4, True), (32, 256, 4, 4, True), (64, 128, 4, 4, 
 # on the H200, call 42.)
 FP8_CANDIDATES = ((8, 1024, 4, 5), (16, 512, 4, 6), (4, 2048, 4, 4), (8, 1024, 8, 4),
                   (32, 512, 4, 4, True), (64, 256, 4, 4, True), (16, 512, 4, 5, True))
-# W8A8 tiles for fp8 weights, at any row count from one: the input rows are quantized to e4m3
-# inside the kernel (one scale per row, its largest magnitude after the prologue / 448, found in
-# a first pass over the row, as layers.quantization.quantize_rows_fp8 does for the wide path), so
-# the tensor cores multiply e4m3 by e4m3 and no weight is widened on the way (the broadcast
-# products widen each e4m3 weight to fp32 in two conversions, whose rate held the one-row tiles
-# to 1.7-2.7 TB/s, perf/RESULTS.md call 42). "w8a8t" swaps the dot's operands: the weight tile
-# is its M side, the 16 (padded) input rows its N side. The numbers are the wide path's
-# (cuBLASLt's FP8 GEMM on per-token quantized inputs), not W8A16's.
-W8A8_CANDIDATES = ((16, 512, 4, 4, "w8a8"), (32, 512, 4, 4, "w8a8"), (16, 1024, 4, 3, "w8a8"),
-                   (64, 256, 4, 4, "w8a8t"), (32, 512, 4, 4, "w8a8t"),
-                   (64, 512, 4, 3, "w8a8t"), (128, 256, 8, 3, "w8a8t"))
 # The tensor-core tiles compute any row count up to this (BLOCK_M = rows rounded up to a power
 # of two, at least 16); the engine hands the kernel at most MAX_ROWS. perf/gemm_bench.py
 # --triton times them against cuBLAS at wider steps, in bf16: in fp32 a 64-row input tile of
@@ -65,8 +52,6 @@ MAX_DOT_ROWS = 64
 # What the kernel does to its input on the way in (PROLOGUE): nothing; RMSNorm; residual add +
 # RMSNorm (program 0 also writes the sum, the next residual); SiLU(gate) * up over gate|up.
 PLAIN, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
 @triton.jit
@@ -106,8 +91,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
                    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr, QUANT_X: tl.constexpr,
-                   SWAP: tl.constexpr):
+                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -127,18 +111,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
                         BLOCK_N * K * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
     pdl_wait(USE_PDL)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if QUANT_X:   # W8A8: a first pass for each row's scale (and the norm's sum of squares)
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k0 + kk, store_ok, m_ok, K,
-                                EVEN_K, PROLOGUE)
-            ss += sq
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        x_scale = tl.maximum(amax / _FP8_MAX, _MIN_SCALE)
-        store_ok = (m < 0)[:, None]              # the residual sum is written
-    if SWAP:             # the transposed result: [BLOCK_N, BLOCK_M]
-        acc2t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    elif USE_DOT:        # BLOCK_M >= 16, rows past M zero
+    if USE_DOT:          # BLOCK_M >= 16, rows past M zero
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     elif BLOCK_M == 1:   # one row: a plain 2-D tile, the layout triton handles best
         acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -148,9 +121,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
         k = k0 + kk
         x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K, EVEN_K,
                             PROLOGUE)
-        if QUANT_X == 0:
-            if PROLOGUE == 1 or PROLOGUE == 2:
-                ss += sq
+        if PROLOGUE == 1 or PROLOGUE == 2:
+            ss += sq
         if EVEN_K:
             if EVEN_N:
                 w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
@@ -160,13 +132,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
         else:
             w = tl.load(w_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0,
                         eviction_policy="evict_first")
-        if QUANT_X:
-            xq = tl.minimum(tl.maximum(x / x_scale[:, None], -_FP8_MAX), _FP8_MAX).to(w.dtype)
-            if SWAP:
-                acc2t += mma(w, tl.trans(xq), PRECISION)
-            else:
-                acc2 += mma(xq, tl.trans(w), PRECISION)
-        elif USE_DOT:
+        if USE_DOT:
             if HAS_SCALE:   # fp8 weights: e4m3 widens to fp16 in one conversion (bf16: two)
                 acc2 += mma(x.to(tl.float16), tl.trans(w.to(tl.float16)), PRECISION)
             else:
@@ -175,9 +141,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
             acc1 += tl.sum(x, axis=0)[None, :] * w.to(tl.float32)
         else:
             acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
-    if SWAP:
-        y = tl.trans(acc2t)                                             # [BLOCK_M, BLOCK_N]
-    elif USE_DOT:
+    if USE_DOT:
         y = acc2                                                        # [BLOCK_M, BLOCK_N]
     elif BLOCK_M == 1:
         y = tl.sum(acc1, axis=1)[None, :]                               # [1, BLOCK_N]
@@ -185,8 +149,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
         y = tl.sum(acc, axis=2)                                         # [BLOCK_M, BLOCK_N]
     if PROLOGUE == 1 or PROLOGUE == 2:
         y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
-    if QUANT_X:
-        y = y * x_scale[:, None]
     if HAS_SCALE:
         y = y * tl.load(s_ptr + n, mask=n < N, other=0.0)[None, :]
     if HAS_BIAS:
@@ -204,12 +166,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                   eps: float = 0.0, weight_scale: torch.Tensor | None = None
                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (M <= MAX_ROWS, or MAX_DOT_ROWS with a tensor-core tile; rows contiguous),
+    """x [M, K] (M <= MAX_ROWS, or MAX_DOT_ROWS with a DOT_CANDIDATES tile; rows contiguous),
     weight [N, K] contiguous, bias [N] or None -> [M, N] in x's dtype, with one of CANDIDATES
     or DOT_CANDIDATES as the tile. With weight_scale [N] (fp32) the weight is float8 e4m3 and
     y = x @ (weight * weight_scale[:, None]).T: the input stays in 16 bits (the tensor-core
-    tiles round it to fp16), the scale multiplies the finished products; with a
-    W8A8_CANDIDATES tile the input rows are quantized to e4m3 first, each with its own scale.
+    tiles round it to fp16), the scale multiplies the finished products.
 
     prologue NORM: y = rms_norm(x, norm_weight, eps) @ W.T; ADD_NORM: the same over x + residual,
     returning (y, x + residual); SILU_MUL: x is [M, 2K] holding gate | up and
@@ -218,8 +179,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     n, k = weight.shape
     block_n, block_k1, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
-    quant_x = use_dot and dot[0] in ("w8a8", "w8a8t")
-    assert not quant_x or weight_scale is not None, "W8A8 tiles need fp8 weights"
     assert 1 <= m <= (MAX_DOT_ROWS if use_dot else MAX_ROWS) and x.stride(1) == 1
     assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     assert weight.is_contiguous() and (bias is None or bias.is_contiguous())
@@ -247,7 +206,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         HAS_SCALE=weight_scale is not None, EVEN_N=even_n, EVEN_K=k % block_k == 0,
         PROLOGUE=prologue, PREFETCH=pf > 0,
-        USE_DOT=use_dot, PRECISION=dot_precision(x.dtype), QUANT_X=quant_x,
-        SWAP=quant_x and dot[0] == "w8a8t", num_warps=warps,
+        USE_DOT=use_dot, PRECISION=dot_precision(x.dtype), num_warps=warps,
         num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 import triton
 
 from pagedbackend.kernels.gemv import (ADD_NORM, CANDIDATES, DOT_CANDIDATES, FP8_CANDIDATES,
-                                       MAX_ROWS, NORM, PLAIN, SILU_MUL, W8A8_CANDIDATES,
-                                       rows_bucket, skinny_linear)
+                                       MAX_ROWS, NORM, PLAIN, SILU_MUL, rows_bucket,
+                                       skinny_linear)
 from pagedbackend.layers.quantization import dequantize, fp8_linear
 
 logger = logging.getLogger("pagedbackend")
@@ -138,20 +138,16 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
         def kernel(cfg):
             return skinny_linear(xs, weight, bias, cfg, weight_scale=scale)
     ref = baseline(True).float()
-    # W8A8 tiles quantize the input as the FP8 GEMM path does: they must agree with that
-    ref8 = baseline(False).float() if scale is not None else None
     base = _time_us(lambda: baseline(False))
     best, best_us = None, float("inf")
-    # the 16-bit tensor-core tiles from 2 rows (at one row none beat the broadcast products'
-    # tiles on the H200, bf16 or fp8: perf/RESULTS.md calls 41-42)
+    # the tensor-core tiles from 2 rows (at one row none beat the broadcast products' tiles on
+    # the H200, bf16 or fp8: perf/RESULTS.md calls 41-42)
     tiles = CANDIDATES + (FP8_CANDIDATES if scale is not None else ()) + DOT_CANDIDATES
-    tiles = tuple(c for c in tiles if rows > 1 or len(c) == 4)
-    for cfg in tiles + (W8A8_CANDIDATES if scale is not None else ()):
+    for cfg in (c for c in tiles if rows > 1 or len(c) == 4):
         try:
             # a tile that is wrong here (e.g. a miscompile) or fails is never chosen; the
             # fused norm skips one bf16 rounding, hence the tolerance
-            agree = torch.allclose(kernel(cfg).float(), ref8 if cfg in W8A8_CANDIDATES else ref,
-                                   rtol=2e-2, atol=2e-2)
+            agree = torch.allclose(kernel(cfg).float(), ref, rtol=2e-2, atol=2e-2)
             us = _time_us(lambda cfg=cfg: kernel(cfg)) if agree else float("inf")
         except Exception as e:      # noqa: BLE001
             logger.warning("skinny GEMM %s %s at %dx%dx%d failed: %s", what, cfg, rows, n, k, e)
