@@ -75,7 +75,7 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
 
 
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
-           "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, chunk<N>, blaslt, ropekernel, "
+           "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, blaslt, ropekernel, "
            "oldtiles, eagerprefill, decode3, gridorder, fp8kv, fp8n64, fp8w, nopdl, cublas; "
            "default runs the default again (perf/common.run_variants)")
 
@@ -85,9 +85,8 @@ def run_variants(names: str, make_llm, body) -> None:
     with a fresh engine from make_llm() for "default", then for each comma-separated variant
     in names, cumulative: noprefetch (no weight prefetch into L2 before the PDL wait), pf<MB>
     (that prefetch budget instead of the default), pfplain<MB> (only matmuls without a
-    prologue prefetch, that much), mbt<N> (make_llm(max_num_batched_tokens=N)), chunk<N>
-    (matmuls of more than N rows as GEMMs of N rows, linear.GEMM_CHUNK_ROWS), blaslt (torch's
-    matmuls through cuBLASLt: torch.backends.cuda.preferred_blas_library), ropekernel (a
+    prologue prefetch, that much), mbt<N> (make_llm(max_num_batched_tokens=N)), blaslt
+    (torch's matmuls through cuBLASLt: torch.backends.cuda.preferred_blas_library), ropekernel (a
     decode step's rotary + KV write in their own kernel, not in the attention kernel),
     eagerprefill (no CUDA graphs for single-sequence prefills), oldtiles (the prefill tile
     before the sweep of 2026-12-03: 128 x 64 with 8 warps), decode3 (decode attention with 3
@@ -109,15 +108,14 @@ def run_variants(names: str, make_llm, body) -> None:
     def kind(v):        # noprefetch is pf0; pfplain<MB> is a pf too
         if v == "noprefetch":
             return "pf"
-        return next((k for p, k in (("pfplain", "pf"), ("pf", "pf"), ("mbt", "mbt"),
-                                    ("chunk", "chunk"))
+        return next((k for p, k in (("pfplain", "pf"), ("pf", "pf"), ("mbt", "mbt"))
                      if v.startswith(p) and v[len(p):].isdigit()), v)
     for name in variants:
-        if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "chunk", "blaslt", "ropekernel",
+        if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "blaslt", "ropekernel",
                               "eagerprefill", "oldtiles", "decode3", "gridorder", "fp8kv",
                               "fp8n64", "fp8w", "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, "
-                             "mbt<N>, chunk<N>, blaslt, ropekernel, eagerprefill, oldtiles, "
+                             "mbt<N>, blaslt, ropekernel, eagerprefill, oldtiles, "
                              "decode3, gridorder, fp8kv, fp8n64, fp8w, nopdl, cublas or default")
     steps, active, again = [("default", None)], [], 0
     for v in variants:
@@ -130,14 +128,12 @@ def run_variants(names: str, make_llm, body) -> None:
     switches, initial = (), []
     if variants:    # imported only for an A/B: an older engine (perf/snapshot.sh) may lack them
         from pagedbackend.kernels import common, decode, gemv_tuning, prefill
-        from pagedbackend.layers import linear
         from pagedbackend.worker import cuda_graph
         switches = ((common, "PDL_ENABLED"), (gemv_tuning, "ENABLED"),
                     (decode, "ROPE_IN_DECODE"), (decode, "LONGEST_FIRST"),
                     (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
                     (decode, "decode_config"), (decode, "FP8_BLOCK_N"),
-                    (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"),
-                    (linear, "GEMM_CHUNK_ROWS"))
+                    (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"))
         initial = [getattr(mod, name) for mod, name in switches]
     blas = torch.backends.cuda.preferred_blas_library()
     overrides = {}
@@ -178,8 +174,6 @@ def run_variants(names: str, make_llm, body) -> None:
             common.PREFETCH_BYTES, common.PREFETCH_PLAIN_BYTES = 0, int(switch[7:]) << 20
         elif switch is not None and kind(switch) == "pf":
             common.PREFETCH_BYTES, common.PREFETCH_PLAIN_BYTES = int(switch[2:]) << 20, None
-        elif switch is not None and kind(switch) == "chunk":
-            linear.GEMM_CHUNK_ROWS = int(switch[5:])
         elif switch is not None:
             overrides["max_num_batched_tokens"] = int(switch[3:])
         llm = make_llm(**overrides)

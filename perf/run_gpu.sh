@@ -82,9 +82,6 @@ for s in $stages; do
             run gemmlt2 120 python3 perf/gemm_bench.py --rows 64,256,512,1024,4096 --blas cublaslt ;;
     w2blaslt) run w2blaslt 360 python3 perf/w2_fixed.py --shapes 128-128,2048-128 \
                 --ab blaslt,default ;;
-    # W2 128/128 and 2048/128 A-B-A: prefill matmuls whole, in 2,048-row GEMMs, whole again
-    w2chunk) run w2chunk 360 python3 perf/w2_fixed.py --shapes 128-128,2048-128 \
-               --ab chunk2048,default ;;
     w2mbt) run w2mbt 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --profile \
              --ab mbt2048,mbt4096 ;;
     # W2 128/128 with the rotary + KV write in the decode kernel (default) and in their own

@@ -663,25 +663,6 @@ def test_linear_dispatch_tunes_once_and_matches_cublas():
     assert sorted(key[1] for key in keys) == [1, 2, 4]       # 16 rows never reach the tuner
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_linear_in_row_chunks_matches_one_matmul(monkeypatch, bias):
-    # GEMM_CHUNK_ROWS: a prefill's matmul as GEMMs of a few rows each, a last partial one too,
-    # on a 3-d input; at most the chunk size it runs whole
-    from pagedbackend.layers import linear as lin
-    torch.manual_seed(0)
-    w = torch.randn(24, 32, device=DEV)
-    b = torch.randn(24, device=DEV) if bias else None
-    x = torch.randn(2, 11, 32, device=DEV)
-    calls, row_chunks = [], lin._row_chunks
-    monkeypatch.setattr(lin, "_row_chunks", lambda *a: calls.append(a[3]) or row_chunks(*a))
-    monkeypatch.setattr(lin, "GEMM_CHUNK_ROWS", 8)
-    out = lin.linear(x, w, b)
-    assert calls == [8] and out.shape == (2, 11, 24)
-    assert torch.allclose(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    assert torch.equal(lin.linear(x[0, :8], w, b), torch.nn.functional.linear(x[0, :8], w, b))
-    assert calls == [8]
-
-
 # ---------------------------------------------------------------------------- no mid-run JIT
 
 def test_compile_watch_records_only_while_armed(monkeypatch):

@@ -50,11 +50,9 @@ def test_variants_are_cumulative_and_default_restores_everything(perf_module):
     assert all(e.stopped for e in engines)
 
 
-def test_chunk_and_blaslt_variants_set_their_switch_and_default_clears_them(perf_module,
+def test_blaslt_variant_prefers_cublaslt_and_default_restores_the_library(perf_module,
                                                                          monkeypatch):
     import torch
-
-    from pagedbackend.layers import linear
     perf = perf_module("common")
     blas = ["default"]      # this CPU build of torch refuses cuBLASLt: the setting is faked
 
@@ -63,13 +61,11 @@ def test_chunk_and_blaslt_variants_set_their_switch_and_default_clears_them(perf
             blas[0] = str(backend)
         return blas[0]
     monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred_blas_library)
-    monkeypatch.setattr(linear, "GEMM_CHUNK_ROWS", 0)
     seen = []
-    perf.run_variants("chunk2048,default,blaslt,chunk1024,default", FakeLLM,
-                      lambda llm, label: seen.append((label, linear.GEMM_CHUNK_ROWS, blas[0])))
-    assert seen == [("default", 0, "default"), ("chunk2048", 2048, "default"),
-                    ("default-again", 0, "default"), ("blaslt", 0, "cublaslt"),
-                    ("blaslt-chunk1024", 1024, "cublaslt"), ("default-again-2", 0, "default")]
+    perf.run_variants("blaslt,mbt2048,default", FakeLLM, lambda llm, label: seen.append(
+        (label, blas[0], llm.overrides.get("max_num_batched_tokens"))))
+    assert seen == [("default", "default", None), ("blaslt", "cublaslt", None),
+                    ("blaslt-mbt2048", "cublaslt", 2048), ("default-again", "default", None)]
 
 
 def test_repeated_default_runs_get_labels_of_their_own(perf_module):

@@ -7,7 +7,6 @@ checkpoint tensor (or a lazy safetensors slice) and copies in only this rank's p
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -42,24 +41,6 @@ def default_weight_loader(param: torch.Tensor, loaded: Any, shard_id: Any = None
     param.data.copy_(src)
 
 
-# Matmuls of more rows than this (prefill steps) run as GEMMs of this many rows, one after the
-# other into one output; 0 runs them whole. Off until measured: at llama-3.1-8b's shapes cuBLAS
-# ran 2,048 rows at up to 790 TFLOP/s and 8,192 at 650-690 (perf/RESULTS.md, call 10).
-GEMM_CHUNK_ROWS = int(os.environ.get("PAGEDBACKEND_GEMM_CHUNK_ROWS", "0"))
-
-
-def _row_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                chunk: int) -> torch.Tensor:
-    out = x.new_empty(*x.shape[:-1], weight.shape[0])
-    rows, flat = x.reshape(-1, x.shape[-1]), out.view(-1, weight.shape[0])
-    for i in range(0, rows.shape[0], chunk):
-        if bias is None:
-            torch.mm(rows[i:i + chunk], weight.t(), out=flat[i:i + chunk])
-        else:
-            torch.addmm(bias, rows[i:i + chunk], weight.t(), out=flat[i:i + chunk])
-    return out
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except for decode batches of a few rows on CUDA, where a triton kernel takes
@@ -72,8 +53,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return y
     if weight_scale is not None:
         return fp8_linear(x, weight, weight_scale, bias)
-    if GEMM_CHUNK_ROWS and x.numel() > GEMM_CHUNK_ROWS * x.shape[-1]:
-        return _row_chunks(x, weight, bias, GEMM_CHUNK_ROWS)
     return F.linear(x, weight, bias)
 
 
