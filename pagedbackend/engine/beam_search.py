@@ -26,7 +26,7 @@ def beam_search(llm: Any, prompts: Sequence[Any], params: BeamSearchParams) -> l
     width = params.beam_width
     step = SamplingParams(max_tokens=1, logprobs=2 * width, temperature=params.temperature,
                           ignore_eos=True, skip_special_tokens=False)
-    live = [[BeamSearchSequence(engine._tokenize(p)[1], [])] for p in prompts]
+    live = [[BeamSearchSequence(engine.tokenize_prompt(p)[1], [])] for p in prompts]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
 
     def key(beam: BeamSearchSequence) -> float:

@@ -144,7 +144,7 @@ class LLMEngine:
         check(cache_salt is None or isinstance(cache_salt, str), "cache_salt", cache_salt,
               "a string")
         check(params.n <= self.config.max_n, "n", params.n, f"an integer in [1, {self.config.max_n}]")
-        prompt_text, ids = self._tokenize(prompt)
+        prompt_text, ids = self.tokenize_prompt(prompt)
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
             ids = ids[-params.truncate_prompt_tokens:]
             prompt_text = None            # the text no longer matches the ids
@@ -211,7 +211,9 @@ class LLMEngine:
                     seqs.append(ids)
         return seqs
 
-    def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """(the prompt's text or None, its token ids), checked as add_request checks them: text
+        is encoded with special tokens, ids must lie in the vocabulary."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
