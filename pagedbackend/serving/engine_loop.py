@@ -34,41 +34,19 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from pagedbackend.serving.busy_period import BusyPeriod
+from pagedbackend.serving.live_request import LiveRequest
 from pagedbackend.serving.queues import take_batch
 from pagedbackend.serving.request import ParsedRequest
-from pagedbackend.serving.responses import (Chunk, Outgoing, last_logprobs, merge_chunks,
-                                            prompt_entries)
+from pagedbackend.serving.responses import Chunk, Outgoing, last_logprobs, merge_chunks
 from pagedbackend.serving.sender import Sender
 
 from pagedbackend.engine.detokenizer import DETOKENIZE_CONTEXT, MAX_EXTRA_CONTEXT, context_for
 
 # Ids kept per request so context_for can start the detokenizer's context on a clean boundary.
 _TAIL = DETOKENIZE_CONTEXT + MAX_EXTRA_CONTEXT
-
-
-@dataclass
-class _Live:
-    handle: Any
-    req: ParsedRequest
-    key: str
-    text_mode: bool
-    arrival: float
-    tail: list[int] = field(default_factory=list)
-    prompt_len: int = 0
-    started: bool = False
-    ids: list[int] = field(default_factory=list)       # accumulated when not streaming
-    text: list[str] = field(default_factory=list)
-    held: Optional[Chunk] = None      # streamed steps not sent yet (response-rate budget)
-    last_sent: float = 0.0
-    num_out: int = 0
-    first_token: Optional[float] = None
-    last_token: Optional[float] = None
-    first_scheduled: Optional[float] = None     # the engine's clock (time.monotonic), as ours
-    cancelled: bool = False
 
 
 class EngineLoop:
@@ -89,7 +67,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._cancels: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._handles: dict[str, tuple[Any, str]] = {}
         self._keys: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -213,8 +191,8 @@ class EngineLoop:
             self._outbox.put(Outgoing(handle, error="internal error while adding the request",
                                       error_kind="internal", final=True))
             return
-        self._live[rid] = _Live(handle, req, key, text_mode=bool(req.params.stop),
-                                arrival=arrival)
+        self._live[rid] = LiveRequest(handle, req, key, text_mode=bool(req.params.stop),
+                                      arrival=arrival)
 
     def _take_cancels(self) -> None:
         ids, early = [], []
@@ -247,7 +225,7 @@ class EngineLoop:
         context = context_for(self.engine.tokenizer, live.tail, len(live.tail))
         if new_ids:
             live.tail = (live.tail + new_ids)[-_TAIL:]
-            self._on_tokens(live, out, len(new_ids), now)
+            live.on_tokens(self.metrics, out, len(new_ids), now)
         finished = out.finished or comp.finish_reason is not None
         if finished and live.cancelled:
             self._finish(out.request_id, Outgoing(live.handle, error="the request was cancelled",
@@ -260,10 +238,11 @@ class EngineLoop:
                 return
             first = live.num_out == len(new_ids)
             chunk = Chunk(new_ids, context, text, comp.finish_reason if finished else None,
-                          live.prompt_len, len(new_ids), prefix=self._echo(live, out) if first
-                          else "", request_key=live.key,
+                          live.prompt_len, len(new_ids),
+                          prefix=live.echo(out, self.engine.tokenizer) if first else "",
+                          request_key=live.key,
                           logprobs=last_logprobs(comp.logprobs, len(new_ids), live.req.params),
-                          prompt_logprobs=self._prompt_logprobs(live, out) if first else None)
+                          prompt_logprobs=live.prompt_logprobs(out) if first else None)
             if live.held is not None:
                 chunk, live.held = merge_chunks(live.held, chunk), None
             if finished:
@@ -283,43 +262,12 @@ class EngineLoop:
             prompt = out.prompt_token_ids
             chunk = Chunk(live.ids, context_for(self.engine.tokenizer, prompt, len(prompt)),
                           "".join(live.text) if live.text_mode else None, comp.finish_reason,
-                          live.prompt_len, len(live.ids), prefix=self._echo(live, out),
-                          request_key=live.key,
+                          live.prompt_len, len(live.ids),
+                          prefix=live.echo(out, self.engine.tokenizer), request_key=live.key,
                           logprobs=last_logprobs(comp.logprobs, len(live.ids), live.req.params),
-                          prompt_logprobs=self._prompt_logprobs(live, out))
+                          prompt_logprobs=live.prompt_logprobs(out))
             self._finish(out.request_id, Outgoing(live.handle, chunk, final=True),
                          reason=comp.finish_reason, now=now)
-
-    @staticmethod
-    def _prompt_logprobs(live: _Live, out: Any) -> Optional[list]:
-        return prompt_entries(out.prompt_logprobs, out.prompt_token_ids, live.req.params)
-
-    def _echo(self, live: _Live, out: Any) -> str:
-        if live.req.exclude_input_in_output:
-            return ""
-        if live.req.prompt is not None:
-            return live.req.prompt
-        return self.engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=True)
-
-    def _on_tokens(self, live: _Live, out: Any, n: int, now: float) -> None:
-        live.num_out += n
-        if self.metrics is None:
-            live.first_token = live.first_token or now
-            live.last_token = now
-            return
-        if live.first_token is None:
-            live.first_token = now
-            live.first_scheduled = getattr(out, "first_scheduled_time", None)
-            queued = None
-            if getattr(out, "first_scheduled_time", None) and getattr(out, "arrival_time", None):
-                queued = max(0.0, out.first_scheduled_time - out.arrival_time)
-            self.metrics.on_first_token(now - live.arrival, queued, live.prompt_len)
-            if n > 1:
-                self.metrics.on_inter_token(0.0, n - 1)
-        else:
-            self.metrics.on_inter_token((now - live.last_token) / n, n)
-        live.last_token = now
-        self.metrics.on_generated(n)
 
     def _finish(self, rid: str, item: Outgoing, reason: Optional[str] = None,
                 now: Optional[float] = None) -> None:
@@ -327,12 +275,7 @@ class EngineLoop:
         self._forget(rid)
         self._outbox.put(item)
         if self.metrics is not None and live is not None and reason is not None:
-            phases = None
-            if live.first_scheduled is not None and live.first_token is not None:
-                phases = (max(0.0, live.first_token - live.first_scheduled),
-                          live.last_token - live.first_token)
-            self.metrics.on_finished(reason, (now or time.monotonic()) - live.arrival,
-                                     live.prompt_len, live.num_out, phases)
+            live.on_finished(self.metrics, reason, now)
 
     def _forget(self, rid: str) -> None:
         with self._lock:
