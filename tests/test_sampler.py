@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pagedbackend.layers import sampler as sampler_mod
-from pagedbackend.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagedbackend.layers.sampler import Sampler, SamplerOutput
+from pagedbackend.layers.sampling_metadata import SamplingMetadata
 from pagedbackend.sampling_params import SamplingParams
 
 V = 512

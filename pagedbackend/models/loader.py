@@ -57,7 +57,7 @@ def resolve_load_format(model_dir: str, load_format: str) -> str:
         return "safetensors"
     if gguf_io.find_gguf(model_dir):
         return "gguf"
-    raise ValueError(f"load_format='auto' is invalid for this model directory: it holds "
+    raise ValueError("load_format='auto' is invalid for this model directory: it holds "
                      "neither *.safetensors nor a .gguf file")
 
 

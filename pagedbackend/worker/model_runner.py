@@ -17,7 +17,8 @@ import torch
 from pagedbackend.config import EngineConfig
 from pagedbackend.core.scheduler import SchedulerOutput
 from pagedbackend.layers.attention import AttentionMetadata
-from pagedbackend.layers.sampler import Sampler, SamplingMetadata, argmax, to_device_async
+from pagedbackend.layers.sampler import Sampler, argmax
+from pagedbackend.layers.sampling_metadata import SamplingMetadata, to_device_async
 from pagedbackend.models import build_model, load_weights
 from pagedbackend.worker import cuda_graph
 from pagedbackend.worker.cuda_graph import DecodeGraphs, PrefillGraphs

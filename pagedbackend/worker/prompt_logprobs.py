@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedbackend.layers.sampler import to_device_async
+from pagedbackend.layers.sampling_metadata import to_device_async
 
 
 @dataclass

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pagedbackend.layers.attention import AttentionMetadata
-from pagedbackend.layers.sampler import to_device_async
+from pagedbackend.layers.sampling_metadata import to_device_async
 
 
 class HostInputs:
