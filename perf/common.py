@@ -76,8 +76,8 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
 
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
            "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, blaslt, ropekernel, "
-           "oldtiles, eagerprefill, decode3, gridorder, fp8kv, fp8n64, fp8w, nopdl, cublas; "
-           "default runs the default again (perf/common.run_variants)")
+           "oldtiles, eagerprefill, decode3, gridorder, fp8kv, fp8n64, fp8w, pagedkv, nopdl, "
+           "cublas; default runs the default again (perf/common.run_variants)")
 
 
 def run_variants(names: str, make_llm, body) -> None:
@@ -87,7 +87,8 @@ def run_variants(names: str, make_llm, body) -> None:
     (that prefetch budget instead of the default), pfplain<MB> (only matmuls without a
     prologue prefetch, that much), mbt<N> (make_llm(max_num_batched_tokens=N)), blaslt
     (torch's matmuls through cuBLASLt: torch.backends.cuda.preferred_blas_library), ropekernel (a
-    decode step's rotary + KV write in their own kernel, not in the attention kernel),
+    decode step's rotary + KV write in their own kernel, not in the attention kernel), pagedkv
+    (the prefill kernel gathers the step's keys from the cache too: prefill.CONTIG_KV off),
     eagerprefill (no CUDA graphs for single-sequence prefills), oldtiles (the prefill tile
     before the sweep of 2026-12-03: 128 x 64 with 8 warps), decode3 (decode attention with 3
     pipeline stages instead of 2), gridorder (decode attention starts its programs in grid
@@ -113,10 +114,11 @@ def run_variants(names: str, make_llm, body) -> None:
     for name in variants:
         if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "blaslt", "ropekernel",
                               "eagerprefill", "oldtiles", "decode3", "gridorder", "fp8kv",
-                              "fp8n64", "fp8w", "default"):
+                              "fp8n64", "fp8w", "pagedkv", "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, "
                              "mbt<N>, blaslt, ropekernel, eagerprefill, oldtiles, "
-                             "decode3, gridorder, fp8kv, fp8n64, fp8w, nopdl, cublas or default")
+                             "decode3, gridorder, fp8kv, fp8n64, fp8w, pagedkv, nopdl, cublas "
+                             "or default")
     steps, active, again = [("default", None)], [], 0
     for v in variants:
         if v == "default":      # later re-runs numbered: labels name the result files
@@ -133,7 +135,8 @@ def run_variants(names: str, make_llm, body) -> None:
                     (decode, "ROPE_IN_DECODE"), (decode, "LONGEST_FIRST"),
                     (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
                     (decode, "decode_config"), (decode, "FP8_BLOCK_N"),
-                    (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"))
+                    (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"),
+                    (prefill, "CONTIG_KV"))
         initial = [getattr(mod, name) for mod, name in switches]
     blas = torch.backends.cuda.preferred_blas_library()
     overrides = {}
@@ -157,6 +160,8 @@ def run_variants(names: str, make_llm, body) -> None:
             new_prefill = prefill.prefill_config
             prefill.prefill_config = lambda d: {**new_prefill(d), **(
                 dict(BLOCK_M=128, num_warps=8) if 64 < d <= 128 else {})}
+        elif switch == "pagedkv":
+            prefill.CONTIG_KV = False
         elif switch == "gridorder":
             decode.LONGEST_FIRST = False
         elif switch == "fp8n64":

@@ -156,22 +156,28 @@ def bench_prefill(sweep):
         q, k, v, kc, vc, meta = random_paged_batch(qlens, slens, BS, HQ, HKV, D, DT, DEVICE)
         out = torch.empty_like(q)
 
-        def attn(cfg=None):
+        def attn(cfg=None, contig=False):
             kernels.paged_prefill_attention(q, kc, vc, meta.block_tables, meta.seq_lens,
-                                            meta.query_start_loc, scale, out, cfg)
+                                            meta.query_start_loc, scale, out, cfg,
+                                            k_new=k if contig else None,
+                                            v_new=v if contig else None)
         t = bench(attn)
         t_ref = bench(lambda: TorchAttentionBackend().forward(q, k, v, kc, vc, meta, scale))
         # Causal: query at position p sees p + 1 keys; 2 matmuls x 2 flop per multiply-add.
         pairs = sum(sum(range(s - ql + 1, s + 1)) for ql, s in zip(qlens, slens))
         tflops = 4 * HQ * D * pairs / (t * 1e-3) / 1e12
         row(name, t, t_ref, f"{tflops:6.1f} TFLOP/s")
+        # the step's keys read from k / v (the engine's default, prefill.CONTIG_KV)
+        tc = bench(lambda: attn(contig=True))
+        row(name + ", step's K/V from k/v", tc, t_ref,
+            f"{4 * HQ * D * pairs / (tc * 1e-3) / 1e12:6.1f} TFLOP/s")
         if sweep:
             best = None
             for bm, bn, nw, st in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3),
                                    (64, 64, 4, 3), (128, 32, 8, 4), (64, 128, 4, 2)):
                 cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=st)
                 try:
-                    tt = bench(lambda: attn(cfg))
+                    tt = bench(lambda: attn(cfg, contig=True))
                 except Exception as e:          # e.g. out of shared memory
                     print(f"    {cfg}: {type(e).__name__}")
                     continue

@@ -134,6 +134,11 @@ for s in $stages; do
     benchsweep) run benchsweep 200 python3 perf/kernels_bench.py --sweep ;;
     # cuBLAS at llama-3.1-8b's projection shapes across row counts (W2's GEMM bound), ~30 s
     gemm) run gemm 90 python3 perf/gemm_bench.py ;;
+    # the prefill kernel with the step's K/V read from k / v (the default) and gathered from
+    # the cache: parity tests, the kernel timed both ways (+ a tile sweep), W2 2048/128 A-B
+    contigtests) run contigtests 150 python3 -m pytest -q tests/test_kernels.py -k "prefill or rotary_store or backend_rope or fp8_kv" ;;
+    contigbench) run contigbench 120 python3 perf/kernels_bench.py --only prefill --sweep ;;
+    w2contig) run w2contig 240 python3 perf/w2_fixed.py --shapes 2048-128 --ab pagedkv ;;
     # prefill-sized GEMMs whole and in 1,024/2,048/4,096-row pieces, through cuBLAS then
     # cuBLASLt, with the SM clock and power logged each second (is 8,192 rows slower by power?)
     gemmchunk) nvidia-smi dmon -s pc -d 1 > "$out/gemmchunk-dmon.log" 2>&1 & dmon=$!

@@ -82,6 +82,18 @@ def check_backend(backend, query_lens, seq_lens, block_size, group, dtype, pad=0
                                         meta.query_start_loc, d ** -0.5, poisoned,
                                         backend.prefill_config)
     assert rel_err(poisoned[:n], ref) < REL_TOL[dtype]
+    if meta.max_query_len > 1:
+        # given the step's keys and values, the prefill kernel reads them from k / v: their
+        # copies in the cache are NaN here and must not be touched
+        kc_nan, vc_nan = kc.clone(), vc.clone()
+        slots = meta.slot_mapping[meta.slot_mapping >= 0]
+        kc_nan.view(-1, hkv, d)[slots] = float("nan")
+        vc_nan.view(-1, hkv, d)[slots] = float("nan")
+        poisoned = torch.full_like(q, float("nan"))
+        kernels.paged_prefill_attention(q, kc_nan, vc_nan, meta.block_tables, meta.seq_lens,
+                                        meta.query_start_loc, d ** -0.5, poisoned,
+                                        backend.prefill_config, k_new=k, v_new=v)
+        assert rel_err(poisoned[:n], ref) < REL_TOL[dtype]
 
 
 # ---------------------------------------------------------------------------------- KV write
@@ -253,9 +265,11 @@ else:
                      (4, 4, [1, 18, 3], [30, 50, 3]), (4, 16, [33], [33])]
 
 
+@pytest.mark.parametrize("contig", [True, False], ids=["step-kv-from-k-v", "all-kv-from-cache"])
 @pytest.mark.parametrize("group,block_size,query_lens,seq_lens", PREFILL_CASES)
-def test_prefill_matches_reference(group, block_size, query_lens, seq_lens):
+def test_prefill_matches_reference(group, block_size, query_lens, seq_lens, contig, monkeypatch):
     # seq_len > q_len: a cached prefix; q_len 1 rows: the decode part of a mixed batch.
+    monkeypatch.setattr(kernels.prefill, "CONTIG_KV", contig)
     backend = kernels.TritonAttentionBackend(prefill_config=SMALL_TILES)
     check_backend(backend, query_lens, seq_lens, block_size, group, torch.bfloat16, pad=3)
 
@@ -365,6 +379,15 @@ def test_rotary_store_kv_matches_rotary_then_store(dtype):
     untouched = torch.ones(kc.shape[0] * kc.shape[1], dtype=torch.bool, device=DEV)
     untouched[meta.slot_mapping[meta.slot_mapping >= 0]] = False
     assert torch.equal(kc.flatten(0, 1)[untouched], kc_ref.flatten(0, 1)[untouched])
+    # rotate_k (the prefill kernel then reads the step's keys from k): k rotated in place too,
+    # the same values as its cache copy; padding rows keep theirs (q is rotated once more here,
+    # and not looked at)
+    kc2, vc2 = kc_ref.clone().zero_(), vc_ref.clone().zero_()
+    rotary_store_kv(q, k, v, positions, cache, kc2, vc2, meta.slot_mapping, rotate_k=True)
+    real = meta.slot_mapping >= 0
+    assert torch.equal(kc2.view(-1, hkv, d)[meta.slot_mapping[real]], k[real])
+    assert rel_err(k[real], ref_k[real]) < EXACTISH[dtype]
+    assert torch.equal(k[~real], k_before[~real])
 
 
 @pytest.mark.parametrize("decode_only,in_kernel", [(False, True), (True, True), (True, False)])

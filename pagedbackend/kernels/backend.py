@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedbackend.kernels import decode
+from pagedbackend.kernels import decode, prefill
 from pagedbackend.kernels.cache import store_kv_cache
 from pagedbackend.kernels.common import num_sms
 from pagedbackend.kernels.decode import choose_num_splits, max_split_rows, paged_decode_attention
@@ -60,6 +60,8 @@ class TritonAttentionBackend:
         b = meta.seq_lens.shape[0]
         decode_only = meta.max_query_len == 1
         rope_store = None
+        # the prefill kernel reads the step's keys and values from k / v, not from the cache
+        contig = prefill.CONTIG_KV and not decode_only and k_cache.dtype == k.dtype
         if rope is not None and decode_only and rope[1].shape[-1] == q.shape[-1] \
                 and decode.rope_in_decode(b, k_cache.shape[2], num_sms(q.device.index)):
             # the decode kernel rotates q and k and writes k and v itself
@@ -67,7 +69,8 @@ class TritonAttentionBackend:
         elif rope is None:
             store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         else:   # one kernel: q rotated in place, k rotated on its way into the cache
-            q = rotary_store_kv(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)
+            q = rotary_store_kv(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping,
+                                rotate_k=contig)
         out = torch.zeros_like(q) if meta.padded else torch.empty_like(q)
         # Single-query sequences (all of them in a decode step, some in a mixed chunked-prefill
         # step) go to the GQA-packed split-KV decode kernel; 128-row prefill tiles would waste
@@ -93,7 +96,8 @@ class TritonAttentionBackend:
         if not decode_only:
             paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, scale, out, self.prefill_config,
-                                    skip_single=singles)
+                                    skip_single=singles, k_new=k if contig else None,
+                                    v_new=v if contig else None)
         n_real = b if decode_only else meta.num_tokens
         if n_real < q.shape[0]:
             out[n_real:].zero_()     # padding rows: defined values, never NaN

@@ -83,7 +83,8 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cache_ptr, slot_ptr,
                          BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, USE_PDL: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, WRITE_K: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF, BLOCK_HALF)
@@ -94,6 +95,9 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cache_ptr, slot_ptr,
         kc = slot_address(k_cache_ptr, slot, stride_kcb, stride_kcs, BLOCK_SIZE)
         _rotate_heads(k_ptr + t * stride_kt, stride_kh, kc, stride_kch, cos, sin, NUM_KV_HEADS,
                       BLOCK_HKV, HALF, BLOCK_HALF)
+        if WRITE_K:      # k rotated in place too (after the cache's copy read it)
+            _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_ptr + t * stride_kt, stride_kh,
+                          cos, sin, NUM_KV_HEADS, BLOCK_HKV, HALF, BLOCK_HALF)
         copy_heads(v_ptr + t * stride_vt, stride_vh,
                    slot_address(v_cache_ptr, slot, stride_vcb, stride_vcs, BLOCK_SIZE),
                    stride_vch, NUM_KV_HEADS, HEAD_DIM, BLOCK_HKV, BLOCK_D)
@@ -101,10 +105,12 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cache_ptr, slot_ptr,
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> torch.Tensor:
+                    slot_mapping: torch.Tensor, rotate_k: bool = False) -> torch.Tensor:
     """apply_rotary + store_kv_cache in one pass: q is rotated in place (and returned), k is
-    rotated on its way into k_cache (k itself is left as it was), v is copied into v_cache.
-    Rotary over part of the head (R < D) takes the two-kernel path."""
+    rotated on its way into k_cache (k itself is left as it was unless rotate_k: then it is
+    rotated in place too, for attention that reads the step's keys from k), v is copied into
+    v_cache. Rotary over part of the head (R < D) takes the two-kernel path, which always
+    rotates k in place."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     if cos_sin_cache.shape[-1] != d:
@@ -123,5 +129,6 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv, BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv),
         HALF=half, BLOCK_HALF=next_pow2(half), HEAD_DIM=d, BLOCK_D=next_pow2(d),
-        BLOCK_SIZE=k_cache.shape[1], num_warps=4 if hq * half >= 1024 else 1, **pdl_launch(q))
+        BLOCK_SIZE=k_cache.shape[1], WRITE_K=rotate_k,
+        num_warps=4 if hq * half >= 1024 else 1, **pdl_launch(q))
     return q
