@@ -112,3 +112,83 @@ def test_smollm2_beam_search_text(smollm2_dir):
     eos = set(llm.engine.info.eos_token_ids)
     scores = [score(s, eos, 1.0) for s in out.sequences]
     assert scores == sorted(scores, reverse=True)
+
+
+# ------------------------------------------------------------------ beam_width through serving
+
+def serve(llm, requests, cancel_after=None):
+    """Runs the engine model's loop over llm's engine: requests is {handle: ParsedRequest};
+    returns {handle: final Outgoing}. cancel_after: (handle, key, seconds) stops that one."""
+    import threading
+    import time
+
+    from pagedbackend.serving.engine_loop import EngineLoop
+    finals, done = {}, threading.Event()
+
+    def send(handle, item):
+        if item.final:
+            finals[handle] = item
+            if len(finals) == len(requests):
+                done.set()
+    loop = EngineLoop(llm.engine, send, log=lambda m: None, cancel_poll_s=0.01).start()
+    try:
+        for handle, r in requests.items():
+            loop.submit(handle, r, key=handle)
+        if cancel_after:
+            time.sleep(cancel_after[1])
+            loop.stop(cancel_after[0])
+        assert done.wait(120)
+    finally:
+        loop.shutdown()
+    assert not llm.engine.has_unfinished()      # every round's sub-request ended
+    return finals
+
+
+def beam_request(prompt, width, max_tokens, stream=False, length_penalty=1.0, **fields):
+    from pagedbackend import SamplingParams
+    from pagedbackend.serving.request import ParsedRequest
+    return ParsedRequest(prompt=None, prompt_token_ids=prompt, stream=stream,
+                         params=SamplingParams(max_tokens=max_tokens, **fields),
+                         beam_width=width, length_penalty=length_penalty)
+
+
+def test_serving_runs_beam_search_beside_other_requests(model):
+    """beam_width > 1 on the engine model's loop: the best beam of the offline search, as one
+    final response (streaming or not), while a plain request runs beside it."""
+    _, llm = model
+    from pagedbackend import SamplingParams
+    params = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5)
+    offline = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS[:2]], params)
+    greedy = llm.generate({"prompt_token_ids": PROMPTS[2]},
+                          SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    finals = serve(llm, {
+        "a": beam_request(PROMPTS[0], 3, 6, length_penalty=0.5),
+        "b": beam_request(PROMPTS[1], 3, 6, stream=True, length_penalty=0.5),
+        "plain": beam_request(PROMPTS[2], 1, 8, temperature=0)})
+    for handle, prompt, out in (("a", PROMPTS[0], offline[0]), ("b", PROMPTS[1], offline[1])):
+        chunk, best = finals[handle].chunk, out.sequences[0]
+        assert finals[handle].error is None
+        assert chunk.token_ids == best.tokens[len(prompt):]
+        assert chunk.finish_reason == best.finish_reason
+        assert chunk.num_input_tokens == len(prompt)
+        assert chunk.num_output_tokens == len(best.tokens) - len(prompt)
+    assert finals["plain"].chunk.token_ids == greedy.outputs[0].token_ids
+
+
+def test_serving_beam_search_refusals_and_cancel_leave_the_engine_clean(model):
+    _, llm = model
+    finals = serve(llm, {
+        "top_p": beam_request(PROMPTS[0], 2, 4, top_p=0.5),
+        "long": beam_request(PROMPTS[0], 2, 64),
+        "ok": beam_request(PROMPTS[1], 2, 3, ignore_eos=True)})
+    assert finals["top_p"].error == ("top_p=0.5 is invalid with beam_width=2: beam search "
+                                     "takes max_tokens, temperature, ignore_eos and "
+                                     "length_penalty only")
+    assert finals["long"].error.startswith("max_tokens=64 is invalid: must be in [1, 61]")
+    assert finals["top_p"].error_kind == finals["long"].error_kind == "invalid"
+    assert finals["ok"].error is None and finals["ok"].chunk.num_output_tokens == 3
+    # a search stopped mid-way (59 rounds of 10 beams) ends at once, its round's sub-requests
+    # aborted
+    finals = serve(llm, {"slow": beam_request(PROMPTS[2], 10, 59, ignore_eos=True)},
+                   cancel_after=("slow", 0.05))
+    assert finals["slow"].error_kind == "cancelled" and finals["slow"].chunk is None

@@ -75,6 +75,9 @@ def test_tensorrt_llm_extras():
     p = r.params
     assert p.stop_token_ids == [7] and p.stop == ["END"] and p.logprobs == 0
     assert p.structured_outputs == {"json": '{"type": "object"}'}
+    assert r.beam_width == 1 and r.length_penalty == 1.5
+    r = parse_request({"text_input": s("x"), "beam_width": i32(4)})
+    assert r.beam_width == 4 and r.length_penalty == 1.0      # the engine loop runs the beams
     # perf/ensemble_input.json's neutral values change nothing
     r = parse_request({"text_input": s("x"), "end_id": i32(-1), "return_log_probs": b(False),
                        "guided_decoding_guide_type": s(""), "guided_decoding_guide": s("")})
@@ -88,7 +91,8 @@ def test_tensorrt_llm_extras():
 
 
 @pytest.mark.parametrize("inputs, field", [
-    ({"beam_width": i32(4)}, "beam_width=4"),
+    ({"beam_width": i32(11)}, "beam_width=11 is invalid: must be an integer in [1, 10]"),
+    ({"beam_width": i32(0)}, "beam_width=0"),
     ({"num_return_sequences": i32(2)}, "num_return_sequences=2"),
     ({"guided_decoding_guide_type": s("structural_tag")}, "guided_decoding_guide_type"),
     ({"guided_decoding_guide_type": s("regex")}, "guided_decoding_guide is missing"),

@@ -203,7 +203,7 @@ def test_prompt_logprobs_output(triton, tokenizer):  # noqa: F811
     assert plain["prompt_logprobs"] == ""
 
 
-def test_tensorrt_llm_client_tensors(triton, tokenizer):  # noqa: F811
+def test_tensorrt_llm_client_tensors(triton, tokenizer, smollm2_dir):  # noqa: F811
     """end_id, return_log_probs, guided decoding and beam_width as TensorRT-LLM's clients send
     them (generate endpoint: JSON fields become the tensors of those names)."""
     prompt = chat(tokenizer, FRANCE)
@@ -221,8 +221,24 @@ def test_tensorrt_llm_client_tensors(triton, tokenizer):  # noqa: F811
     status, raw = gen(guided_decoding_guide_type="json_schema", guided_decoding_guide=json.dumps(
         {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}))
     assert status == 200 and set(json.loads(json.loads(raw)["text_output"])) == {"city"}
-    status, raw = gen(beam_width=2)
-    assert status == 400 and "beam_width=2" in json.loads(raw)["error"]
+    # beam search: the offline search's best beam, streamed or not, as one final response
+    from pagedbackend import LLM, BeamSearchParams
+    llm = LLM(smollm2_dir, max_model_len=256)
+    best = llm.beam_search({"prompt": prompt}, BeamSearchParams(beam_width=2, max_tokens=24)
+                           )[0].sequences[0]
+    ids = llm.engine.tokenize_prompt(prompt)[1]
+    want = tokenizer.decode(best.tokens[len(ids):], skip_special_tokens=True)
+    llm.engine.shutdown()
+    status, raw = gen(beam_width=2, length_penalty=1.0)
+    assert status == 200, raw
+    out = json.loads(raw)
+    assert out["text_output"] == want and "Paris" in want
+    assert out["num_output_tokens"] == len(best.tokens) - len(ids)
+    events = sse(triton, {"text_input": prompt, "max_tokens": 24, "beam_width": 2,
+                          "stream": True})
+    assert "".join(ev["text_output"] for ev in events) == want
+    status, raw = gen(beam_width=2, top_p=0.5)
+    assert status == 400 and "top_p=0.5 is invalid with beam_width=2" in json.loads(raw)["error"]
 
 
 def test_exclude_input_in_output_false_echoes_the_prompt(triton):  # noqa: F811

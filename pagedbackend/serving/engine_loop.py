@@ -36,6 +36,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
+from pagedbackend.serving.beam_requests import BeamRequests
 from pagedbackend.serving.busy_period import BusyPeriod
 from pagedbackend.serving.live_request import LiveRequest
 from pagedbackend.serving.queues import take_batch
@@ -68,6 +69,7 @@ class EngineLoop:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._cancels: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, LiveRequest] = {}
+        self._beams = BeamRequests(engine, log)          # requests with beam_width > 1
         self._handles: dict[str, tuple[Any, str]] = {}
         self._keys: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -178,9 +180,12 @@ class EngineLoop:
 
     def _add(self, rid: str, handle: Any, req: ParsedRequest, arrival: float, key: str) -> None:
         try:
-            self.engine.add_request(rid, req.engine_prompt(), req.params, priority=req.priority,
-                                    cache_salt=req.cache_salt, detokenize=False,
-                                    arrival_time=arrival)
+            if req.beam_width > 1:
+                self._beams.add(rid, req)
+            else:
+                self.engine.add_request(rid, req.engine_prompt(), req.params,
+                                        priority=req.priority, cache_salt=req.cache_salt,
+                                        detokenize=False, arrival_time=arrival)
         except ValueError as e:                        # names the field and the allowed range
             self._forget(rid)
             self._outbox.put(Outgoing(handle, error=str(e), error_kind="invalid", final=True))
@@ -204,6 +209,10 @@ class EngineLoop:
                 with self._lock:
                     if rid in self._handles:
                         early.append(rid)
+            elif rid in self._beams:        # its round's sub-requests go, it ends now
+                self._beams.drop(rid)
+                self._finish(rid, Outgoing(live.handle, error="the request was cancelled",
+                                           error_kind="cancelled", final=True), reason="abort")
             elif not live.cancelled:
                 live.cancelled = True
                 ids.append(rid)
@@ -213,6 +222,9 @@ class EngineLoop:
             self.engine.abort(ids)      # frees KV blocks now; final output on the next step
 
     def _on_output(self, out: Any, now: float) -> None:
+        if self._beams.owns(out.request_id):
+            self._on_beam_round(out, now)
+            return
         live = self._live.get(out.request_id)
         if live is None:
             return
@@ -239,7 +251,8 @@ class EngineLoop:
             first = live.num_out == len(new_ids)
             chunk = Chunk(new_ids, context, text, comp.finish_reason if finished else None,
                           live.prompt_len, len(new_ids),
-                          prefix=live.echo(out, self.engine.tokenizer) if first else "",
+                          prefix=live.echo(out.prompt_token_ids, self.engine.tokenizer) if first
+                          else "",
                           request_key=live.key,
                           logprobs=last_logprobs(comp.logprobs, len(new_ids), live.req.params),
                           prompt_logprobs=live.prompt_logprobs(out) if first else None)
@@ -263,14 +276,33 @@ class EngineLoop:
             chunk = Chunk(live.ids, context_for(self.engine.tokenizer, prompt, len(prompt)),
                           "".join(live.text) if live.text_mode else None, comp.finish_reason,
                           live.prompt_len, len(live.ids),
-                          prefix=live.echo(out, self.engine.tokenizer), request_key=live.key,
+                          prefix=live.echo(prompt, self.engine.tokenizer), request_key=live.key,
                           logprobs=last_logprobs(comp.logprobs, len(live.ids), live.req.params),
                           prompt_logprobs=live.prompt_logprobs(out))
             self._finish(out.request_id, Outgoing(live.handle, chunk, final=True),
                          reason=comp.finish_reason, now=now)
 
+    def _on_beam_round(self, out: Any, now: float) -> None:
+        """A beam search's sub-request: the best beam goes out once the search ends."""
+        ended = self._beams.on_output(out)
+        if ended is None:
+            return
+        rid, beam = ended
+        live = self._live[rid]
+        if beam is None:
+            self._finish(rid, Outgoing(live.handle, error="internal error in beam search",
+                                       error_kind="internal", final=True))
+            return
+        chunk = beam.final_chunk(self.engine.tokenizer, live)
+        live.prompt_len = chunk.num_input_tokens
+        if chunk.token_ids:
+            live.on_tokens(self.metrics, out, len(chunk.token_ids), now)
+        self._finish(rid, Outgoing(live.handle, chunk, final=True), reason=chunk.finish_reason,
+                     now=now)
+
     def _finish(self, rid: str, item: Outgoing, reason: Optional[str] = None,
                 now: Optional[float] = None) -> None:
+        self._beams.drop(rid)
         live = self._live.pop(rid, None)
         self._forget(rid)
         self._outbox.put(item)

@@ -34,13 +34,13 @@ class LiveRequest:
     def prompt_logprobs(self, out: Any) -> Optional[list]:
         return prompt_entries(out.prompt_logprobs, out.prompt_token_ids, self.req.params)
 
-    def echo(self, out: Any, tokenizer: Any) -> str:
+    def echo(self, prompt_ids: list[int], tokenizer: Any) -> str:
         """The prompt's text when the output includes it (exclude_input_in_output false)."""
         if self.req.exclude_input_in_output:
             return ""
         if self.req.prompt is not None:
             return self.req.prompt
-        return tokenizer.decode(out.prompt_token_ids, skip_special_tokens=True)
+        return tokenizer.decode(prompt_ids, skip_special_tokens=True)
 
     def on_tokens(self, metrics: Any, out: Any, n: int, now: float) -> None:
         """n new tokens at `now`: the first one's latency, the gaps between later ones."""

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from pagedbackend.sampling_params import SamplingParams
+from pagedbackend.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class RequestError(ValueError):
@@ -59,6 +59,8 @@ class ParsedRequest:
     exclude_input_in_output: bool = True
     priority: int = 0
     cache_salt: Optional[str] = None
+    beam_width: int = 1                      # > 1: beam search (serving/beam_requests.py)
+    length_penalty: float = 1.0              # the beams' score: cum_logprob / len ** this
 
     def engine_prompt(self) -> Any:
         return self.prompt_token_ids if self.prompt_token_ids is not None else self.prompt
@@ -104,7 +106,7 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]],
         fields["stop"] = [s for s in _strings(inputs["stop_words"], "stop_words") if s]
     if "bad_words" in inputs:
         fields["bad_words"] = [s for s in _strings(inputs["bad_words"], "bad_words") if s]
-    _trtllm_extras(inputs, fields)
+    beam_width, length_penalty = _trtllm_extras(inputs, fields)
     if "cache_salt" in inputs:
         cache_salt = one_string(inputs["cache_salt"], "cache_salt") or None
 
@@ -123,7 +125,9 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]],
     return ParsedRequest(prompt=prompt, prompt_token_ids=ids, params=params,
                          stream=bool(flags["stream"]),
                          exclude_input_in_output=bool(flags["exclude_input_in_output"]),
-                         priority=int(flags["priority"]), cache_salt=cache_salt)
+                         priority=int(flags["priority"]), cache_salt=cache_salt,
+                         beam_width=beam_width, length_penalty=length_penalty)
+
 
 
 # TensorRT-LLM's guided decoding types -> SamplingParams.structured_outputs kinds.
@@ -131,25 +135,31 @@ GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex",
                "ebnf_grammar": "grammar"}
 
 
-def _trtllm_extras(inputs: Mapping[str, np.ndarray], fields: dict) -> None:
+def _trtllm_extras(inputs: Mapping[str, np.ndarray], fields: dict) -> tuple[int, float]:
     """TensorRT-LLM's other client tensors, so its clients' requests work as they are:
     `end_id` (one more stop token, kept in the output as vLLM's stop_token_ids are unless it is
     a special token such as the EOS; < 0: none), `return_log_probs` (each token's logprob in the
-    `logprobs` output), `guided_decoding_guide_type` + `guided_decoding_guide`; `beam_width` and
-    `num_return_sequences` must be 1; `pad_id` and `length_penalty` (which act only on padded
-    batches and beams) are accepted and change nothing."""
+    `logprobs` output), `guided_decoding_guide_type` + `guided_decoding_guide`, `beam_width`
+    (> 1: beam search, the best beam returned, so `num_return_sequences` must be 1) and
+    `length_penalty` (the beams' score); `pad_id` is accepted and changes nothing. Returns
+    (beam_width, length_penalty)."""
     if "end_id" in inputs:
         end = _scalar(inputs["end_id"], "end_id", "i")
         if end >= 0:
             fields["stop_token_ids"] = [*fields.get("stop_token_ids", []), end]
-    for name in ("beam_width", "num_return_sequences"):
-        if name in inputs and _scalar(inputs[name], name, "i") != 1:
-            raise RequestError(f"{name}={_scalar(inputs[name], name, 'i')} is invalid: must be 1 "
-                               "(one sequence per request, no beam search)")
+    if "num_return_sequences" in inputs:
+        count = _scalar(inputs["num_return_sequences"], "num_return_sequences", "i")
+        if count != 1:
+            raise RequestError(f"num_return_sequences={count} is invalid: must be 1 (one "
+                               "sequence per request; with beam_width > 1, the best beam)")
+    beam_width = _scalar(inputs["beam_width"], "beam_width", "i") if "beam_width" in inputs else 1
+    if not 1 <= beam_width <= MAX_LOGPROBS // 2:
+        raise RequestError(f"beam_width={beam_width} is invalid: must be an integer in "
+                           f"[1, {MAX_LOGPROBS // 2}]")
     if "pad_id" in inputs:
         _scalar(inputs["pad_id"], "pad_id", "i")
-    if "length_penalty" in inputs:
-        _scalar(inputs["length_penalty"], "length_penalty", "f")
+    length_penalty = float(_scalar(inputs["length_penalty"], "length_penalty", "f")) \
+        if "length_penalty" in inputs else 1.0
     if "return_log_probs" in inputs and _scalar(inputs["return_log_probs"], "return_log_probs",
                                                 "b"):
         fields.setdefault("logprobs", 0)
@@ -165,6 +175,7 @@ def _trtllm_extras(inputs: Mapping[str, np.ndarray], fields: dict) -> None:
             raise RequestError(f"guided_decoding_guide is missing: guided_decoding_guide_type="
                                f"{kind!r} needs one")
         fields["structured_outputs"] = {GUIDE_TYPES[kind]: True if kind == "json" else guide}
+    return beam_width, length_penalty
 
 
 def check_single_batch(inputs: Mapping[str, Optional[np.ndarray]]) -> None:
