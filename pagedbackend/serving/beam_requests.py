@@ -127,4 +127,7 @@ class BeamRequests:
         for sub in subs:
             self._subs.pop(sub, None)
         if subs:
-            self.engine.abort(subs)
+            try:
+                self.engine.abort(subs)
+            except Exception as e:  # noqa: BLE001 - a failed engine (the loop is dying)
+                self._log(f"aborting beam search rounds failed: {type(e).__name__}: {e}")
