@@ -129,7 +129,6 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]],
                          beam_width=beam_width, length_penalty=length_penalty)
 
 
-
 # TensorRT-LLM's guided decoding types -> SamplingParams.structured_outputs kinds.
 GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex",
                "ebnf_grammar": "grammar"}
