@@ -269,9 +269,14 @@ else:
 @pytest.mark.parametrize("group,block_size,query_lens,seq_lens", PREFILL_CASES)
 def test_prefill_matches_reference(group, block_size, query_lens, seq_lens, contig, monkeypatch):
     # seq_len > q_len: a cached prefix; q_len 1 rows: the decode part of a mixed batch.
+    backend_module = importlib.import_module("pagedbackend.kernels.backend")
     monkeypatch.setattr(kernels.prefill, "CONTIG_KV", contig)
+    given, prefill = [], backend_module.paged_prefill_attention
+    monkeypatch.setattr(backend_module, "paged_prefill_attention", lambda *a, **kw: (
+        given.append(kw["k_new"] is not None), prefill(*a, **kw))[1])
     backend = kernels.TritonAttentionBackend(prefill_config=SMALL_TILES)
     check_backend(backend, query_lens, seq_lens, block_size, group, torch.bfloat16, pad=3)
+    assert given == [contig]        # the backend handed the step's K/V over, or not
 
 
 @pytest.mark.parametrize("dtype,tiles", [(torch.float32, None), (torch.float16, SMALL_TILES)])
