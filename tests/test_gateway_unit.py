@@ -324,6 +324,8 @@ BAD = [
     ("/v1/completions", {**COMP, "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {**COMP, "seed": -1}, 400, "seed"),
     ("/v1/completions", {**COMP, "priority": 1.5}, 400, "priority"),
+    ("/v1/completions", {**COMP, "use_beam_search": True, "n": 2}, 400, "use_beam_search"),
+    ("/v1/chat/completions", {**CHAT, "use_beam_search": True}, 400, "use_beam_search"),
     ("/v1/completions", [1, 2], 400, None),
 ]
 

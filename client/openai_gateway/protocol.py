@@ -123,6 +123,12 @@ def _common(body: dict, kind: str, default_model: str, prompts: list, logprobs: 
     n = body.get("n", 1)
     if n is None:
         n = 1
+    if body.get("use_beam_search"):
+        # vLLM's extra field: its n choices are the n beams, which a Triton request (one
+        # sequence, the best beam with beam_width) cannot return; refused, not sampled instead
+        raise bad_request("use_beam_search=true is not supported: this server returns one "
+                          "sequence per request (the Triton models take beam_width and return "
+                          "the best beam)", param="use_beam_search")
     try:
         SamplingParams(n=n, **params)
     except (ValueError, TypeError) as e:
