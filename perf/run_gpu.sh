@@ -139,6 +139,8 @@ for s in $stages; do
     contigtests) run contigtests 150 python3 -m pytest -q tests/test_kernels.py -k "prefill or rotary_store or backend_rope or fp8_kv" ;;
     contigbench) run contigbench 120 python3 perf/kernels_bench.py --only prefill --sweep ;;
     w2contig) run w2contig 240 python3 perf/w2_fixed.py --shapes 2048-128 --ab pagedkv ;;
+    # TTFT of 2k/8k/16k-token prompts alone, with the step's K/V read from k / v and gathered
+    ttftlong) run ttftlong 240 python3 perf/ttft_long.py --ab pagedkv ;;
     # prefill-sized GEMMs whole and in 1,024/2,048/4,096-row pieces, through cuBLAS then
     # cuBLASLt, with the SM clock and power logged each second (is 8,192 rows slower by power?)
     gemmchunk) nvidia-smi dmon -s pc -d 1 > "$out/gemmchunk-dmon.log" 2>&1 & dmon=$!
