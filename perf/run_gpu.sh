@@ -74,14 +74,14 @@ for s in $stages; do
     w3sync) PERF_ASYNC=0 run w3sync 120 python3 perf/w3_mix.py ;;
     w2) run w2 180 python3 perf/w2_fixed.py --shapes 128-128 --profile ;;
     w2abpdl) run w2abpdl 200 python3 perf/w2_fixed.py --shapes 128-128 --ab nopdl ;;
-    # W2 128/128 (profiled: one wave) and 2048/128 at max_num_batched_tokens 8192 (default),
-    # 2048 and 4096 in one process: GEMMs run faster at 2048 rows than at 8192 (gemm stage)
     # decode-sized GEMMs through cuBLAS, then cuBLASLt (call 44: cuBLASLt ran 8,192-row
     # prefill GEMMs 6.6% faster), then W2 128/128 and 2048/128 A-B-A with torch on cuBLASLt
     gemmlt) run gemmlt 120 python3 perf/gemm_bench.py --rows 64,256,512,1024,4096
             run gemmlt2 120 python3 perf/gemm_bench.py --rows 64,256,512,1024,4096 --blas cublaslt ;;
     w2blaslt) run w2blaslt 360 python3 perf/w2_fixed.py --shapes 128-128,2048-128 \
                 --ab blaslt,default ;;
+    # W2 128/128 (profiled: one wave) and 2048/128 at max_num_batched_tokens 8192 (default),
+    # 2048 and 4096 in one process: GEMMs run faster at 2048 rows than at 8192 (gemm stage)
     w2mbt) run w2mbt 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --profile \
              --ab mbt2048,mbt4096 ;;
     # W2 128/128 with the rotary + KV write in the decode kernel (default) and in their own
@@ -136,7 +136,7 @@ for s in $stages; do
     gemm) run gemm 90 python3 perf/gemm_bench.py ;;
     # the prefill kernel with the step's K/V read from k / v (the default) and gathered from
     # the cache: parity tests, the kernel timed both ways (+ a tile sweep), W2 2048/128 A-B
-    contigtests) run contigtests 150 python3 -m pytest -q tests/test_kernels.py -k "prefill or rotary_store or backend_rope or fp8_kv" ;;
+    contigtests) run contigtests 300 python3 -m pytest -q tests/test_kernels.py -k "prefill or rotary_store or backend_rope or fp8_kv" ;;
     contigbench) run contigbench 120 python3 perf/kernels_bench.py --only prefill --sweep ;;
     w2contig) run w2contig 240 python3 perf/w2_fixed.py --shapes 2048-128 --ab pagedkv ;;
     # TTFT of 2k/8k/16k-token prompts alone, with the step's K/V read from k / v and gathered
