@@ -120,10 +120,8 @@ class LLMEngine:
                                   getattr(self.runner, "path_steps", None))
         if reset:
             self.timing = StepTiming()
-            self.runner.sync_wait_s = 0.0
-            self.runner.gpu_busy_s = 0.0
-            if hasattr(self.runner, "path_steps"):
-                self.runner.path_steps = dict.fromkeys(self.runner.path_steps, 0)
+            if hasattr(self.runner, "reset_timing"):    # the TP driver keeps no counters
+                self.runner.reset_timing()
         return out
 
     # -- requests ------------------------------------------------------------------------

@@ -94,12 +94,18 @@ class ModelRunner:
         self.num_kv_blocks = 0
         self.graphs: Optional[DecodeGraphs] = None
         self.prefill_graphs: Optional[PrefillGraphs] = None
-        self.sync_wait_s = 0.0      # time spent waiting for the GPU at the per-step sync
-        self.gpu_busy_s = 0.0       # CUDA: sum of (first upload -> ids copied) per step
-        self.path_steps = new_path_steps()   # steps by how forward_logits ran them
+        self.reset_timing()
         self.prev_sampled: Optional[torch.Tensor] = None    # the last launch's sampled ids
         self.prev_rows: dict[str, int] = {}                 # request id -> row in them
         self.prompt_logits: Optional[torch.Tensor] = None   # this step's, for prompt_logprobs
+
+    def reset_timing(self) -> None:
+        """Zero what LLMEngine.timing_summary reads: the time spent waiting for the GPU at the
+        per-step sync, on CUDA the sum of (first upload -> ids copied) per step, and the steps
+        by how forward_logits ran them."""
+        self.sync_wait_s = 0.0
+        self.gpu_busy_s = 0.0
+        self.path_steps = new_path_steps()
 
     # -- KV cache ------------------------------------------------------------------------
     def init_kv_cache(self, max_num_batched_tokens: int, max_model_len: int,
@@ -179,7 +185,7 @@ class ModelRunner:
                 # (the sampler's path when penalties or random rows share the step)
                 argmax(logits)
                 argmax(logits.float())
-        self.path_steps = new_path_steps()      # the warm-up's steps are not the engine's
+        self.reset_timing()         # the warm-up's steps are not the engine's
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
