@@ -13,18 +13,23 @@ from pagedbackend.kernels.common import next_pow2, pdl_enter, pdl_launch, to_cac
 @triton.jit
 def _rotate_heads(src, stride_h, dst, dst_stride_h, cos, sin,
                   NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr):
+                  BLOCK_HALF: tl.constexpr, ALSO_SRC: tl.constexpr):
     """Rotate one token's heads read at src (head stride stride_h) and write them at dst
-    (src itself for in place, or a KV-cache slot)."""
+    (src itself for in place, or a KV-cache slot); with ALSO_SRC, at src as well."""
     h = tl.arange(0, BLOCK_H)
     i = tl.arange(0, BLOCK_HALF)
     mask = (h < NUM_HEADS)[:, None] & (i < HALF)[None, :]
     p1 = src + h[:, None] * stride_h + i[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    y1 = x1 * cos - x2 * sin
+    y2 = x2 * cos + x1 * sin
     d1 = dst + h[:, None] * dst_stride_h + i[None, :]
-    tl.store(d1, to_cache(x1 * cos - x2 * sin, dst), mask=mask)
-    tl.store(d1 + HALF, to_cache(x2 * cos + x1 * sin, dst), mask=mask)
+    tl.store(d1, to_cache(y1, dst), mask=mask)
+    tl.store(d1 + HALF, to_cache(y2, dst), mask=mask)
+    if ALSO_SRC:
+        tl.store(p1, to_cache(y1, src), mask=mask)
+        tl.store(p1 + HALF, to_cache(y2, src), mask=mask)
 
 
 @triton.jit
@@ -47,9 +52,10 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr,
     cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF, BLOCK_HALF)
     q = q_ptr + t * stride_qt
     k = k_ptr + t * stride_kt
-    _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, NUM_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF)
+    _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, NUM_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF,
+                  False)
     _rotate_heads(k, stride_kh, k, stride_kh, cos, sin, NUM_KV_HEADS, BLOCK_HKV, HALF,
-                  BLOCK_HALF)
+                  BLOCK_HALF, False)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -89,15 +95,14 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cache_ptr, slot_ptr,
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF, BLOCK_HALF)
     q = q_ptr + t * stride_qt
-    _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, NUM_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF)
+    _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, NUM_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF,
+                  False)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:                    # -1: a padding row, nothing to cache
         kc = slot_address(k_cache_ptr, slot, stride_kcb, stride_kcs, BLOCK_SIZE)
+        # with WRITE_K, k is rotated in place too
         _rotate_heads(k_ptr + t * stride_kt, stride_kh, kc, stride_kch, cos, sin, NUM_KV_HEADS,
-                      BLOCK_HKV, HALF, BLOCK_HALF)
-        if WRITE_K:      # k rotated in place too (after the cache's copy read it)
-            _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_ptr + t * stride_kt, stride_kh,
-                          cos, sin, NUM_KV_HEADS, BLOCK_HKV, HALF, BLOCK_HALF)
+                      BLOCK_HKV, HALF, BLOCK_HALF, WRITE_K)
         copy_heads(v_ptr + t * stride_vt, stride_vh,
                    slot_address(v_cache_ptr, slot, stride_vcb, stride_vcs, BLOCK_SIZE),
                    stride_vch, NUM_KV_HEADS, HEAD_DIM, BLOCK_HKV, BLOCK_D)

@@ -26,9 +26,9 @@ DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 # by a flag (--block-size) or an environment variable (PAGEDBACKEND_BLOCK_SIZE).
 ENGINE_PARAMETERS = ("model", "block_size", "max_num_seqs", "max_model_len",
                      "max_num_batched_tokens", "gpu_memory_utilization", "tensor_parallel_size",
-                     "dtype", "kv_cache_dtype", "quantization", "device", "enable_prefix_caching", "num_kv_blocks",
-                     "kv_cache_memory_bytes", "load_format", "enforce_eager", "seed",
-                     "async_scheduling", "max_responses_per_s", "stream_coalesce")
+                     "dtype", "kv_cache_dtype", "quantization", "device", "enable_prefix_caching",
+                     "num_kv_blocks", "kv_cache_memory_bytes", "load_format", "enforce_eager",
+                     "seed", "async_scheduling", "max_responses_per_s", "stream_coalesce")
 ENV_PREFIX = "PAGEDBACKEND_"
 
 
