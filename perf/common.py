@@ -71,13 +71,14 @@ def engine_overrides() -> dict:
 # A/B switches of a run -> the suffix of its result file: async scheduling off, cuBLAS for every
 # matmul (no skinny-GEMM kernel for decode batches of 1-4 rows).
 AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "cublas",
-               ("PAGEDBACKEND_PDL", "0"): "nopdl", ("PAGEDBACKEND_PREFETCH_MB", "0"): "noprefetch"}
+               ("PAGEDBACKEND_PDL", "0"): "nopdl", ("PAGEDBACKEND_PREFETCH_MB", "0"): "noprefetch",
+               ("PAGEDBACKEND_FP8_FUSED_QUANT", "0"): "fp8nofuse"}
 
 
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
            "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, blaslt, ropekernel, "
-           "oldtiles, eagerprefill, decode3, gridorder, fp8kv, fp8n64, fp8w, pagedkv, nopdl, "
-           "cublas; default runs the default again (perf/common.run_variants)")
+           "oldtiles, eagerprefill, decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, pagedkv, "
+           "nopdl, cublas; default runs the default again (perf/common.run_variants)")
 
 
 def run_variants(names: str, make_llm, body) -> None:
@@ -94,7 +95,9 @@ def run_variants(names: str, make_llm, body) -> None:
     pipeline stages instead of 2), gridorder (decode attention starts its programs in grid
     order, not the longest sequences first), fp8kv (make_llm(kv_cache_dtype="fp8")), fp8n64
     (an fp8 cache's decode tile of 64 tokens, as bf16's, not decode.FP8_BLOCK_N), fp8w
-    (make_llm(quantization="fp8"): the linear layers' weights in e4m3),
+    (make_llm(quantization="fp8"): the linear layers' weights in e4m3), fp8nofuse (fp8 weights'
+    wide matmuls quantize their input in a kernel of their own, not in the RMSNorm / SiLU·mul
+    before them: layers/fp8_inputs.FUSED_QUANT off),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". "default" undoes every switch and runs the
     default again (label "default-again", then "default-again-2", ...): an A-B-A order shows
@@ -114,10 +117,11 @@ def run_variants(names: str, make_llm, body) -> None:
     for name in variants:
         if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "blaslt", "ropekernel",
                               "eagerprefill", "oldtiles", "decode3", "gridorder", "fp8kv",
-                              "fp8n64", "fp8w", "pagedkv", "default"):
+                              "fp8n64", "fp8w", "fp8nofuse", "pagedkv", "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, "
                              "mbt<N>, blaslt, ropekernel, eagerprefill, oldtiles, "
-                             "decode3, gridorder, fp8kv, fp8n64, fp8w, pagedkv, nopdl, cublas "
+                             "decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, pagedkv, nopdl, "
+                             "cublas "
                              "or default")
     steps, active, again = [("default", None)], [], 0
     for v in variants:
@@ -130,13 +134,14 @@ def run_variants(names: str, make_llm, body) -> None:
     switches, initial = (), []
     if variants:    # imported only for an A/B: an older engine (perf/snapshot.sh) may lack them
         from pagedbackend.kernels import common, decode, gemv_tuning, prefill
+        from pagedbackend.layers import fp8_inputs
         from pagedbackend.worker import cuda_graph
         switches = ((common, "PDL_ENABLED"), (gemv_tuning, "ENABLED"),
                     (decode, "ROPE_IN_DECODE"), (decode, "LONGEST_FIRST"),
                     (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
                     (decode, "decode_config"), (decode, "FP8_BLOCK_N"),
                     (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"),
-                    (prefill, "CONTIG_KV"))
+                    (prefill, "CONTIG_KV"), (fp8_inputs, "FUSED_QUANT"))
         initial = [getattr(mod, name) for mod, name in switches]
     blas = torch.backends.cuda.preferred_blas_library()
     overrides = {}
@@ -170,6 +175,8 @@ def run_variants(names: str, make_llm, body) -> None:
             overrides["kv_cache_dtype"] = "fp8"
         elif switch == "fp8w":
             overrides["quantization"] = "fp8"
+        elif switch == "fp8nofuse":
+            fp8_inputs.FUSED_QUANT = False
         elif switch == "decode3":
             new_decode = decode.decode_config
             decode.decode_config = lambda d, *kv: {**new_decode(d, *kv), "num_stages": 3}

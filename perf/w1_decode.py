@@ -61,16 +61,19 @@ def main():
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also profile 32 decode steps")
     ap.add_argument("--ab", default="", help=AB_HELP)
+    ap.add_argument("--quantization", default=None, help="e.g. fp8: every engine's weights")
+    ap.add_argument("--suffix", default="", help="result file suffix of every run")
     a = ap.parse_args()
     from pagedbackend import LLM
 
     def make_llm(**kw):
         return LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
-                   **engine_overrides(), **kw, max_num_seqs=8, enforce_eager=a.enforce_eager)
+                   **engine_overrides(), **{"quantization": a.quantization, **kw},
+                   max_num_seqs=8, enforce_eager=a.enforce_eager)
     rows = []
 
     def body(llm, label):
-        suffix = "" if label == "default" else label
+        suffix = "-".join(filter(None, (a.suffix, "" if label == "default" else label)))
         rows.append({"workload": "W1", "variant": label, **run(llm, a.model, suffix=suffix)})
         # without PDL the kernel times are not inflated by early starts; fp8 weights have
         # kernels of their own

@@ -37,6 +37,8 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--suffix", default="", help="result file suffix (A/B runs)")
+    ap.add_argument("--quantization", default=None, help="e.g. fp8: every engine's weights")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="e.g. fp8: every engine's cache")
     ap.add_argument("--profile", action="store_true",
                     help="also profile --profile-shape (default: one wave of W2 128/128: "
                     "8 prefill steps, 128 decode steps of 512 rows)")
@@ -48,12 +50,14 @@ def main():
 
     def make_llm(**kw):
         return LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
-                   **engine_overrides(), **kw, max_num_seqs=a.max_num_seqs,
+                   **engine_overrides(), **{"quantization": a.quantization,
+                                            "kv_cache_dtype": a.kv_cache_dtype, **kw},
+                   max_num_seqs=a.max_num_seqs,
                    gpu_memory_utilization=a.gpu_memory_utilization)
     rows = []
 
     def body(llm, label):
-        suffix = a.suffix if label == "default" else label
+        suffix = a.suffix if label == "default" else "-".join(filter(None, (a.suffix, label)))
         rows.extend({"variant": label, **run(llm, a.model, s, suffix)}
                     for s in a.shapes.split(","))
         if a.profile and label == "default":

@@ -138,3 +138,18 @@ def test_without_variants_no_switch_module_is_needed(perf_module, monkeypatch):
     assert seen == ["default"]
     with pytest.raises(ImportError):
         perf.run_variants("cublas", FakeLLM, lambda llm, label: None)
+
+
+def test_fp8nofuse_turns_the_fused_input_quantization_off_until_default(perf_module):
+    from pagedbackend.layers import fp8_inputs
+    perf = perf_module("common")
+    start = fp8_inputs.FUSED_QUANT
+    seen = []
+    try:
+        perf.run_variants("fp8w,fp8nofuse,default", FakeLLM, lambda llm, label: seen.append(
+            (label, llm.overrides, fp8_inputs.FUSED_QUANT)))
+    finally:
+        fp8_inputs.FUSED_QUANT = start
+    fp8 = {"quantization": "fp8"}
+    assert start and seen == [("default", {}, True), ("fp8w", fp8, True),
+                              ("fp8w-fp8nofuse", fp8, False), ("default-again", {}, True)]

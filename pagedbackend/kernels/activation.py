@@ -1,6 +1,11 @@
 """SiLU(gate) * up over the packed gate|up projection in one pass: the torch version runs two
 elementwise kernels over strided halves (silu into a temporary, then the multiply), reading and
-writing the [T, I] activations five times; this reads each half once and writes once."""
+writing the [T, I] activations five times; this reads each half once and writes once.
+
+Before an FP8 down_proj, `silu_and_mul_quant_fp8` also quantizes the result per row (vLLM's
+fused quant epilogue): one program per row finds the row's largest magnitude in a first pass
+over gate|up and writes e4m3 in a second (the row, 2 x I x 2 bytes, is still in L2), so the
+16-bit activations are never written and no quantization kernel runs after it."""
 from __future__ import annotations
 
 import torch
@@ -8,8 +13,23 @@ import triton
 import triton.language as tl
 
 from pagedbackend.kernels.common import pdl_enter, pdl_launch
+from pagedbackend.kernels.quant import empty_fp8_rows, row_scale, to_e4m3
+from pagedbackend.layers.attention import FP8_MAX
+from pagedbackend.layers.quantization import MIN_SCALE
 
 BLOCK = 1024
+QUANT_BLOCK = 2048      # columns per loop iteration of the quantizing kernel (16 per thread)
+
+
+@triton.jit
+def _silu_mul(x_rows, cols, mask, n_cols):
+    """silu(gate) * up at cols, in fp32, rounded as torch's two kernels round: silu(gate) to the
+    activation dtype before the multiply (the product is rounded by the caller)."""
+    gate = tl.load(x_rows + cols, mask=mask, other=0.0)
+    up = tl.load(x_rows + n_cols + cols, mask=mask, other=0.0)
+    gf = gate.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype)
+    return act.to(tl.float32) * up.to(tl.float32)
 
 
 @triton.jit
@@ -19,12 +39,29 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.c
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    # Round silu(gate) to the activation dtype before the multiply, as torch's two kernels do.
-    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)
-    y = act.to(tl.float32) * up.to(tl.float32)
+    y = _silu_mul(x_ptr + row * stride_x, cols, mask, n_cols)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, n_cols, stride_x, stride_q, min_scale,
+                               fp8_max, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    x_rows = x_ptr + row * stride_x
+    dt = x_ptr.dtype.element_ty
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        y = _silu_mul(x_rows, cols, cols < n_cols, n_cols).to(dt).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(y))
+    scale = row_scale(tl.max(amax, 0), min_scale, fp8_max)
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        y = _silu_mul(x_rows, cols, mask, n_cols).to(dt).to(tl.float32)
+        tl.store(q_ptr + row * stride_q + cols, to_e4m3(y, scale, fp8_max, q_ptr), mask=mask)
+    tl.store(s_ptr + row, scale)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -39,3 +76,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, BLOCK))](
             x2, o2, n, x2.stride(0), o2.stride(0), BLOCK=BLOCK, num_warps=4, **pdl_launch(x2))
     return out
+
+
+def silu_and_mul_quant_fp8(x: torch.Tensor, block: int = QUANT_BLOCK
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., 2 * I] holding gate | up -> (xq [M, I] e4m3, scale [M, 1] fp32), bit for bit
+    kernels.quant.quantize_rows_fp8(silu_and_mul(x)) over x's rows, in one kernel."""
+    two_i = x.shape[-1]
+    assert two_i % 2 == 0 and x.stride(-1) == 1
+    n = two_i // 2
+    x2 = x.reshape(-1, two_i)
+    q, scale = empty_fp8_rows(x2.shape[0], n, x.device)
+    if x2.shape[0]:
+        _silu_and_mul_quant_kernel[(x2.shape[0],)](
+            x2, q, scale, n, x2.stride(0), q.stride(0), MIN_SCALE, FP8_MAX, BLOCK=block,
+            num_warps=4, **pdl_launch(x2))
+    return q, scale

@@ -21,6 +21,7 @@ import triton
 from pagedbackend.kernels.gemv import (ADD_NORM, CANDIDATES, DOT_CANDIDATES, FP8_CANDIDATES,
                                        MAX_ROWS, NORM, PLAIN, SILU_MUL, rows_bucket,
                                        skinny_linear)
+from pagedbackend.layers.fp8_inputs import fp8_norm_linear, fp8_silu_linear, fused_quant_active
 from pagedbackend.layers.quantization import dequantize, fp8_linear
 
 logger = logging.getLogger("pagedbackend")
@@ -92,7 +93,8 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
           scale: torch.Tensor | None = None):
     """The fastest tile for the kernel with this prologue, kept only if it beats what it
     replaces: cuBLAS, after the separate norm / activation kernel if any (with fp8 weights,
-    `scale`: the input's quantization and cuBLASLt's FP8 GEMM). Every tile is timed in its
+    `scale`: the input's quantization, by the norm / activation kernel where
+    layers/fp8_inputs.py fuses it, and cuBLASLt's FP8 GEMM). Every tile is timed in its
     fused form (a tile's register and load pattern changes with the prologue: the fastest
     plain tile lost gate|up's fused form on the H200 where a wider one might not)."""
     from pagedbackend.layers.activation import silu_and_mul
@@ -116,6 +118,8 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
         rs, g = _pattern(rows, k, 1.0, dt, dev), _pattern(1, k, 2.0, dt, dev).view(k).add_(1)
 
         def baseline(reference):
+            if scale is not None and not reference and fused_quant_active(xs, weight, g):
+                return fp8_norm_linear(xs, rs, g, 1e-6, weight, scale, bias)[0]
             return matmul(fused_add_rms_norm(xs, rs, g, 1e-6)[0], reference)
 
         def kernel(cfg):
@@ -125,6 +129,8 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
         gu = _pattern(rows, 2 * k, 1.0, dt, dev)
 
         def baseline(reference):
+            if scale is not None and not reference and fused_quant_active(gu, weight):
+                return fp8_silu_linear(gu, weight, scale)
             return matmul(silu_and_mul(gu), reference)
 
         def kernel(cfg):

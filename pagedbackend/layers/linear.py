@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedbackend.layers.activation import silu_and_mul
+from pagedbackend.layers.fp8_inputs import fp8_norm_linear, fp8_silu_linear, fused_quant_active
 from pagedbackend.layers.norm import USE_KERNELS
 from pagedbackend.layers.quantization import fp8_linear
 
@@ -60,13 +61,17 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
                 proj: "ColumnParallelLinear") -> tuple[torch.Tensor, torch.Tensor]:
     """proj(norm(x + residual)) and the new residual (x + residual, or x when residual is None):
     the pre-norm block's entry. On CUDA, where the skinny matmul serves proj's shape, the norm
-    runs inside it (one kernel instead of two)."""
+    runs inside it (one kernel instead of two); with fp8 weights elsewhere the norm writes the
+    FP8 GEMM's quantized input (layers/fp8_inputs.py)."""
     if x.is_cuda and USE_KERNELS:
         from pagedbackend.kernels.gemv_tuning import maybe_skinny_norm_linear
         out = maybe_skinny_norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias,
                                        proj.weight_scale)
         if out is not None:
             return out
+    if proj.weight_scale is not None and fused_quant_active(x, proj.weight, norm.weight):
+        return fp8_norm_linear(x, residual, norm.weight, norm.eps, proj.weight,
+                               proj.weight_scale, proj.bias)
     if residual is None:
         return proj(norm(x)), x
     h, residual = norm(x, residual)
@@ -139,12 +144,15 @@ class RowParallelLinear(nn.Module):
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(silu(gate) * up) over gate_up = [..., 2 * local_in]; on CUDA, where the skinny
-        matmul serves this shape, the activation runs inside it."""
+        matmul serves this shape, the activation runs inside it; with fp8 weights elsewhere
+        it writes the FP8 GEMM's quantized input."""
         if gate_up.is_cuda and USE_KERNELS:
             from pagedbackend.kernels.gemv_tuning import maybe_skinny_silu_linear
             y = maybe_skinny_silu_linear(gate_up, self.weight, self.weight_scale)
             if y is not None:
                 return self._reduce(y)
+        if self.weight_scale is not None and fused_quant_active(gate_up, self.weight):
+            return self._reduce(fp8_silu_linear(gate_up, self.weight, self.weight_scale))
         return self.forward(silu_and_mul(gate_up))
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:

@@ -61,13 +61,20 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     else:
         quantize = quantize_rows_fp8
     xq, sx = quantize(x2)
+    return fp8_gemm(xq, sx, wq, w_scale, bias, x.dtype).reshape(*lead, wq.shape[0])
+
+
+def fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+             bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 GEMM on an input already quantized per row (xq [M, K] e4m3, sx [M, 1]): [M, N]
+    in dtype (through bf16 on the GPU, see fp8_linear)."""
     y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=w_scale.view(1, -1),
-                         out_dtype=torch.bfloat16 if x.is_cuda else x.dtype)
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
+                         out_dtype=torch.bfloat16 if xq.is_cuda else dtype)
+    if y.dtype != dtype:
+        y = y.to(dtype)
     if bias is not None:
         y = y + bias
-    return y.reshape(*lead, wq.shape[0])
+    return y
 
 
 def dequantize(wq: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,138 @@
+"""The FP8 GEMM's input quantized by the op before it (layers/fp8_inputs.py): the RMSNorm and
+SiLU·mul kernels that write e4m3 rows and per-row scales must give, bit for bit, what the
+separate kernels give (norm or activation in the model's dtype, then kernels.quant's per-row
+quantization), and the layers must take that path on CUDA only where it applies.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 at tiny shapes (as in test_kernels.py)."""
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "pagedbackend.kernels.common" in sys.modules \
+            and not sys.modules["pagedbackend.kernels.common"].INTERPRET:
+        for name in [m for m in sys.modules if m.startswith("pagedbackend.kernels")]:
+            del sys.modules[name]
+pytest.importorskip("triton")
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+
+
+def kernels(name):
+    return importlib.import_module(f"pagedbackend.kernels.{name}")
+
+
+def assert_same_quantized(got, want):
+    (q, s), (q_ref, s_ref) = got, want
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == s_ref.shape
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_quant_equals_norm_then_quantize(residual, dtype):
+    norm, quant = kernels("norm"), kernels("quant")
+    rows, n = (300, 4096) if CUDA else (6, 96)
+    # rows some decades apart, one all zero (scale MIN_SCALE, zeros), and a 3-D input
+    x = (torch.randn(2, rows // 2, n, device=DEV)
+         * torch.logspace(-2, 2, rows // 2, device=DEV)[None, :, None]).to(dtype)
+    x[1, 0] = 0
+    r = torch.randn_like(x) if residual else None
+    if residual:
+        r[1, 0] = 0
+    g = (1 + 0.3 * torch.randn(n, device=DEV)).to(dtype)
+    q, s, new_r = norm.rms_norm_quant_fp8(x, r, g, 1e-5)
+    if residual:
+        h, ref_r = norm.fused_add_rms_norm(x, r, g, 1e-5)
+        assert torch.equal(new_r, ref_r)
+    else:
+        h = norm.rms_norm(x, g, 1e-5)
+        assert new_r is None
+    assert q.shape == (rows, n) and s.shape == (rows, 1)
+    assert_same_quantized((q, s), quant.quantize_rows_fp8(h.reshape(rows, n)))
+    assert (q[rows // 2].float() == 0).all()
+    # and the rows it stands for are the norm's, within e4m3's rounding (half a step, 1/16
+    # relative; the interpreter's e4m3 carry quirk, test_kernels.py, halves a few values)
+    from pagedbackend.layers.norm import fused_add_rms_norm_torch, rms_norm_torch
+    xf, gf = x.float(), g.float()
+    exact = rms_norm_torch(xf, gf, 1e-5) if r is None \
+        else fused_add_rms_norm_torch(xf, r.float(), gf, 1e-5)[0]
+    exact = exact.reshape(rows, n)
+    rel = ((q.float() * s - exact).abs() / exact.abs().clamp(min=1e-30))[exact.abs() > s / 8]
+    assert rel.median() < 1 / 16 and (rel < 0.07).float().mean() > (0.999 if CUDA else 0.95)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_and_mul_quant_equals_activation_then_quantize(dtype):
+    act, quant = kernels("activation"), kernels("quant")
+    t, i = (300, 14336) if CUDA else (5, 150)
+    # on the CPU a 64-column block: three iterations per pass, the last one masked
+    block = act.QUANT_BLOCK if CUDA else 64
+    x = (2 * torch.randn(t, 2 * i, device=DEV)
+         * torch.logspace(-2, 1, t, device=DEV)[:, None]).to(dtype)
+    x[2] = 0
+    q, s = act.silu_and_mul_quant_fp8(x, block)
+    assert q.shape == (t, i)
+    assert_same_quantized((q, s), quant.quantize_rows_fp8(act.silu_and_mul(x)))
+    assert (q[2].float() == 0).all() and (q.float().abs().amax(dim=1)[[0, 1, 3, 4]] == 448).all()
+    # a 3-D input whose rows are a view into a wider buffer
+    wide = torch.randn(2, 2, 2 * i + 64, device=DEV).to(dtype)[..., :2 * i]
+    assert_same_quantized(act.silu_and_mul_quant_fp8(wide, block),
+                          quant.quantize_rows_fp8(act.silu_and_mul(wide).reshape(4, i)))
+
+
+def test_fp8_norm_and_silu_linear_compose_the_separate_steps():
+    """The layer functions (plain torch off CUDA): the same numbers as norm, then fp8_linear."""
+    from pagedbackend.layers import fp8_inputs
+    from pagedbackend.layers.activation import silu_and_mul_torch
+    from pagedbackend.layers.norm import fused_add_rms_norm_torch, rms_norm_torch
+    from pagedbackend.layers.quantization import fp8_linear, quantize_weight_fp8
+    torch.manual_seed(0)
+    x, r = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    g, b = 1 + 0.2 * torch.randn(64), torch.randn(48)
+    wq, sw = quantize_weight_fp8(torch.randn(48, 64) / 8)
+    y, new_r = fp8_inputs.fp8_norm_linear(x, r, g, 1e-6, wq, sw, b)
+    h, ref_r = fused_add_rms_norm_torch(x, r, g, 1e-6)
+    assert torch.equal(new_r, ref_r) and torch.equal(y, fp8_linear(h, wq, sw, b))
+    y, same = fp8_inputs.fp8_norm_linear(x, None, g, 1e-6, wq, sw, None)
+    assert same is x and torch.equal(y, fp8_linear(rms_norm_torch(x, g, 1e-6), wq, sw))
+    wq2, sw2 = quantize_weight_fp8(torch.randn(48, 32) / 8)
+    gu = torch.randn(2, 5, 64)
+    assert torch.equal(fp8_inputs.fp8_silu_linear(gu, wq2, sw2),
+                       fp8_linear(silu_and_mul_torch(gu), wq2, sw2))
+    # off CUDA, or with bf16 weights, the layers keep the separate path
+    assert not fp8_inputs.fused_quant_active(x, wq)
+
+
+@pytest.mark.skipif(not CUDA, reason="the layers take the fused path on CUDA only")
+def test_layers_fused_quant_path_equals_the_separate_one(monkeypatch):
+    """norm_linear and forward_silu_mul at 64 rows (past the skinny kernel's) with fp8 weights:
+    the fused path gives the separate path's output and residual bit for bit."""
+    from pagedbackend.layers import fp8_inputs
+    from pagedbackend.layers.linear import ColumnParallelLinear, RowParallelLinear, norm_linear
+    from pagedbackend.layers.norm import RMSNorm
+    from pagedbackend.layers.quantization import quantize_model_fp8
+    h, inter, dt = 1024, 2048, torch.bfloat16
+    norm = RMSNorm(h, 1e-5, dt, DEV)
+    norm.weight.data.normal_(1.0, 0.3)
+    mlp = torch.nn.Module()
+    mlp.gate_up = ColumnParallelLinear(h, [inter, inter], False, dt, DEV)
+    mlp.down = RowParallelLinear(inter, h, False, dt, DEV)
+    for p in (mlp.gate_up.weight, mlp.down.weight):
+        p.data.normal_(0, p.shape[1] ** -0.5)
+    assert quantize_model_fp8(mlp) == 2
+    x, r = (torch.randn(64, h, device=DEV, dtype=dt) for _ in range(2))
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(fp8_inputs, "FUSED_QUANT", fused)
+        assert fp8_inputs.fused_quant_active(x, mlp.gate_up.weight, norm.weight) == fused
+        gu, new_r = norm_linear(x, r, norm, mlp.gate_up)
+        outs.append((gu, new_r, mlp.down.forward_silu_mul(gu)))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
