@@ -63,6 +63,9 @@ def main():
     ap.add_argument("--ab", default="", help=AB_HELP)
     ap.add_argument("--quantization", default=None, help="e.g. fp8: every engine's weights")
     ap.add_argument("--suffix", default="", help="result file suffix of every run")
+    ap.add_argument("--compiled-baseline", action="store_true",
+                    help="then, in this process, the gpt-fast-style torch.compile decoder of the "
+                         "same model in bf16 (perf/w1_compiled_baseline.py)")
     a = ap.parse_args()
     from pagedbackend import LLM
 
@@ -81,8 +84,16 @@ def main():
             profile(llm, "W1" if label == "default" else f"W1-{label}")
     run_variants(a.ab, make_llm, body)
     keys = ("workload", "variant", "output_tokens_per_s", "decode_tokens_per_s", "ttft_ms", "mbu")
-    print_table([{**{k: r[k] for k in keys}, "step_ms": r["step_split"]["step_ms"]}
-                 for r in rows], f"W1 {a.model}")
+    table = [{**{k: r[k] for k in keys}, "step_ms": r["step_split"]["step_ms"]} for r in rows]
+    if a.compiled_baseline:     # after our engines are gone: the GPU's memory is its own
+        from w1_compiled_baseline import run_baseline
+        base = run_baseline(a.model)
+        write_result("W1", a.model, base, "compiled")
+        table.append({"workload": "W1", "variant": f"torch.compile {base['dtype']} (baseline)",
+                      "output_tokens_per_s": None, "decode_tokens_per_s":
+                      base["decode_tokens_per_s"], "ttft_ms": None, "mbu": base["mbu"],
+                      "step_ms": 1e3 / base["decode_tokens_per_s"]})
+    print_table(table, f"W1 {a.model}")
 
 
 if __name__ == "__main__":
