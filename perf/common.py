@@ -77,8 +77,8 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
 
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
            "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, blaslt, ropekernel, "
-           "oldtiles, eagerprefill, decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, pagedkv, "
-           "nopdl, cublas; default runs the default again (perf/common.run_variants)")
+           "oldtiles, eagerprefill, decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, "
+           "fp8oldtiles, pagedkv, nopdl, cublas; default runs the default again (perf/common.run_variants)")
 
 
 def run_variants(names: str, make_llm, body) -> None:
@@ -97,7 +97,9 @@ def run_variants(names: str, make_llm, body) -> None:
     (an fp8 cache's decode tile of 64 tokens, as bf16's, not decode.FP8_BLOCK_N), fp8w
     (make_llm(quantization="fp8"): the linear layers' weights in e4m3), fp8nofuse (fp8 weights'
     wide matmuls quantize their input in a kernel of their own, not in the RMSNorm / SiLU·mul
-    before them: layers/fp8_inputs.FUSED_QUANT off),
+    before them: layers/fp8_inputs.FUSED_QUANT off), fp8oldtiles (the skinny matmul's tuner
+    without the one-row fp8 tiles that widen e4m3 with integer ops, gemv.FP8_WIDEN_CANDIDATES;
+    its choices are forgotten so the next engine tunes again, as after a later "default"),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". "default" undoes every switch and runs the
     default again (label "default-again", then "default-again-2", ...): an A-B-A order shows
@@ -117,11 +119,12 @@ def run_variants(names: str, make_llm, body) -> None:
     for name in variants:
         if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "blaslt", "ropekernel",
                               "eagerprefill", "oldtiles", "decode3", "gridorder", "fp8kv",
-                              "fp8n64", "fp8w", "fp8nofuse", "pagedkv", "default"):
+                              "fp8n64", "fp8w", "fp8nofuse", "fp8oldtiles", "pagedkv",
+                              "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, "
                              "mbt<N>, blaslt, ropekernel, eagerprefill, oldtiles, "
-                             "decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, pagedkv, nopdl, "
-                             "cublas "
+                             "decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, fp8oldtiles, "
+                             "pagedkv, nopdl, cublas "
                              "or default")
     steps, active, again = [("default", None)], [], 0
     for v in variants:
@@ -141,7 +144,8 @@ def run_variants(names: str, make_llm, body) -> None:
                     (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
                     (decode, "decode_config"), (decode, "FP8_BLOCK_N"),
                     (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"),
-                    (prefill, "CONTIG_KV"), (fp8_inputs, "FUSED_QUANT"))
+                    (prefill, "CONTIG_KV"), (fp8_inputs, "FUSED_QUANT"),
+                    (gemv_tuning, "FP8_WIDEN_CANDIDATES"))
         initial = [getattr(mod, name) for mod, name in switches]
     blas = torch.backends.cuda.preferred_blas_library()
     overrides = {}
@@ -149,6 +153,8 @@ def run_variants(names: str, make_llm, body) -> None:
         if switch == "default":
             for (mod, name), value in zip(switches, initial):
                 setattr(mod, name, value)
+            if "fp8oldtiles" in variants:       # tile choices made without the new tiles
+                gemv_tuning._CHOICE.clear()
             torch.backends.cuda.preferred_blas_library(blas)
             overrides = {}
         elif switch == "blaslt":
@@ -177,6 +183,9 @@ def run_variants(names: str, make_llm, body) -> None:
             overrides["quantization"] = "fp8"
         elif switch == "fp8nofuse":
             fp8_inputs.FUSED_QUANT = False
+        elif switch == "fp8oldtiles":
+            gemv_tuning.FP8_WIDEN_CANDIDATES = ()
+            gemv_tuning._CHOICE.clear()
         elif switch == "decode3":
             new_decode = decode.decode_config
             decode.decode_config = lambda d, *kv: {**new_decode(d, *kv), "num_stages": 3}

@@ -153,3 +153,24 @@ def test_fp8nofuse_turns_the_fused_input_quantization_off_until_default(perf_mod
     fp8 = {"quantization": "fp8"}
     assert start and seen == [("default", {}, True), ("fp8w", fp8, True),
                               ("fp8w-fp8nofuse", fp8, False), ("default-again", {}, True)]
+
+
+def test_fp8oldtiles_tunes_again_without_the_widening_tiles(perf_module):
+    from pagedbackend.kernels import gemv_tuning
+    perf = perf_module("common")
+    start = gemv_tuning.FP8_WIDEN_CANDIDATES
+    seen = []
+
+    def body(llm, label):
+        seen.append((label, len(gemv_tuning.FP8_WIDEN_CANDIDATES), dict(gemv_tuning._CHOICE)))
+        gemv_tuning._CHOICE[label] = None       # as if this engine had tuned a shape
+    try:
+        perf.run_variants("fp8oldtiles,default", FakeLLM, body)
+    finally:
+        gemv_tuning.FP8_WIDEN_CANDIDATES = start
+        for label in ("default", "fp8oldtiles", "default-again"):
+            gemv_tuning._CHOICE.pop(label, None)
+    # each engine after a switch of the tile set starts with no choices of the other set
+    assert start and [(label, n, "default" in c or "fp8oldtiles" in c) for label, n, c in seen] \
+        == [("default", len(start), False), ("fp8oldtiles", 0, False),
+            ("default-again", len(start), False)]

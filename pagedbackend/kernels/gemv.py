@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedbackend.kernels.common import (dot_precision, l2_prefetch, mma, pdl_launch,
+from pagedbackend.kernels.common import (INTERPRET, dot_precision, l2_prefetch, mma, pdl_launch,
                                          pdl_trigger, pdl_wait, prefetch_programs)
 
 MAX_ROWS = 4
@@ -42,6 +42,13 @@ DOT_CANDIDATES = ((16, 256, 4, 4, True), (32, 256, 4, 4, True), (64, 128, 4, 4, 
 # on the H200, call 42.)
 FP8_CANDIDATES = ((8, 1024, 4, 5), (16, 512, 4, 6), (4, 2048, 4, 4), (8, 1024, 8, 4),
                   (32, 512, 4, 4, True), (64, 256, 4, 4, True), (16, 512, 4, 5, True))
+# One-row tiles for fp8 weights that widen e4m3 to fp32 with integer ops instead of triton's
+# conversion (e4m3 -> fp16 -> fp32), which left W1's fp8 step at 60% of HBM bandwidth where bf16
+# reads at 85% (calls 41-42): a sixth element WIDEN, 1 in triton-language, 2 in PTX (see
+# _widen_e4m3). Same sums, bit for bit, as the tile without it.
+FP8_WIDEN_CANDIDATES = ((8, 1024, 4, 3, False, 1), (8, 1024, 4, 3, False, 2),
+                        (16, 512, 4, 4, False, 1), (16, 512, 4, 4, False, 2),
+                        (4, 2048, 4, 4, False, 2), (8, 1024, 4, 5, False, 2))
 # The tensor-core tiles compute any row count up to this (BLOCK_M = rows rounded up to a power
 # of two, at least 16); the engine hands the kernel at most MAX_ROWS. perf/gemm_bench.py
 # --triton times them against cuBLAS at wider steps, in bf16: in fp32 a 64-row input tile of
@@ -84,6 +91,36 @@ def _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K,
     return xf, sq
 
 
+# 2^-120 (e4m3's bits as fp32) x 2^64 (the input) x 2^56 (the sums) == 1: exact powers of two
+X_UP, Y_UP = tl.constexpr(2.0 ** 64), tl.constexpr(2.0 ** 56)
+# fp32's sign bit and bits 20-26 (0x87F00000 as a signed int32)
+E4M3_IN_FP32 = tl.constexpr(-2014314496)
+
+
+@triton.jit
+def _widen_e4m3(w, WIDEN: tl.constexpr):
+    """e4m3 weights -> fp32 for the FMA tiles. WIDEN 0: triton's cast. 1 and 2: e4m3's sign to
+    fp32's sign bit and its exponent|mantissa bits to bits 20-26, which is the value times
+    2^-120 exactly, subnormals included (as fp32 denormals, which FFMA keeps); NaN (never in
+    quantized weights) becomes a finite number. 1 writes it in triton-language (sign-extend,
+    shift, mask); 2 in PTX on four packed bytes at a time (shl / shr.s32 / and per byte). The
+    CPU interpreter cannot run PTX, so 2 runs 1 there: the PTX is tested on the GPU only."""
+    if WIDEN == 0:
+        return w.to(tl.float32)
+    b = w.to(tl.int8, bitcast=True)
+    if WIDEN == 2 and not INTERPRET:
+        bits = tl.inline_asm_elementwise(
+            "{\n\t.reg .b32 t;\n\t"
+            "shl.b32 t, $4, 24;\n\tshr.s32 t, t, 4;\n\tand.b32 $0, t, 0x87F00000;\n\t"
+            "shl.b32 t, $4, 16;\n\tshr.s32 t, t, 4;\n\tand.b32 $1, t, 0x87F00000;\n\t"
+            "shl.b32 t, $4, 8;\n\tshr.s32 t, t, 4;\n\tand.b32 $2, t, 0x87F00000;\n\t"
+            "shr.s32 t, $4, 4;\n\tand.b32 $3, t, 0x87F00000;\n\t}",
+            "=r,=r,=r,=r,r", [b], dtype=tl.int32, is_pure=True, pack=4)
+    else:
+        bits = (b.to(tl.int32) << 20) & E4M3_IN_FP32
+    return bits.to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, N, K,
                    stride_xm, stride_wn, stride_ym, stride_rm, stride_rom, prefetch_programs,
@@ -91,7 +128,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
                    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -137,16 +174,21 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
                 acc2 += mma(x.to(tl.float16), tl.trans(w.to(tl.float16)), PRECISION)
             else:
                 acc2 += mma(x.to(w.dtype), tl.trans(w), PRECISION)
-        elif BLOCK_M == 1:
-            acc1 += tl.sum(x, axis=0)[None, :] * w.to(tl.float32)
         else:
-            acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+            if WIDEN:
+                x = x * X_UP
+            if BLOCK_M == 1:
+                acc1 += tl.sum(x, axis=0)[None, :] * _widen_e4m3(w, WIDEN)
+            else:
+                acc += x[:, None, :] * _widen_e4m3(w, WIDEN)[None, :, :]
     if USE_DOT:
         y = acc2                                                        # [BLOCK_M, BLOCK_N]
     elif BLOCK_M == 1:
         y = tl.sum(acc1, axis=1)[None, :]                               # [1, BLOCK_N]
     else:
         y = tl.sum(acc, axis=2)                                         # [BLOCK_M, BLOCK_N]
+    if WIDEN:
+        y = y * Y_UP
     if PROLOGUE == 1 or PROLOGUE == 2:
         y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     if HAS_SCALE:
@@ -179,6 +221,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     n, k = weight.shape
     block_n, block_k1, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
+    widen = dot[1] if len(dot) > 1 else 0
+    assert not widen or (not use_dot and weight.dtype == torch.float8_e4m3fn)
     assert 1 <= m <= (MAX_DOT_ROWS if use_dot else MAX_ROWS) and x.stride(1) == 1
     assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     assert weight.is_contiguous() and (bias is None or bias.is_contiguous())
@@ -206,6 +250,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         HAS_SCALE=weight_scale is not None, EVEN_N=even_n, EVEN_K=k % block_k == 0,
         PROLOGUE=prologue, PREFETCH=pf > 0,
-        USE_DOT=use_dot, PRECISION=dot_precision(x.dtype), num_warps=warps,
+        USE_DOT=use_dot, PRECISION=dot_precision(x.dtype), WIDEN=widen, num_warps=warps,
         num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 import triton
 
 from pagedbackend.kernels.gemv import (ADD_NORM, CANDIDATES, DOT_CANDIDATES, FP8_CANDIDATES,
-                                       MAX_ROWS, NORM, PLAIN, SILU_MUL, rows_bucket,
-                                       skinny_linear)
+                                       FP8_WIDEN_CANDIDATES, MAX_ROWS, NORM, PLAIN, SILU_MUL,
+                                       rows_bucket, skinny_linear)
 from pagedbackend.layers.fp8_inputs import fp8_norm_linear, fp8_silu_linear, fused_quant_active
 from pagedbackend.layers.quantization import dequantize, fp8_linear
 
@@ -147,9 +147,11 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
     base = _time_us(lambda: baseline(False))
     best, best_us = None, float("inf")
     # the tensor-core tiles from 2 rows (at one row none beat the broadcast products' tiles on
-    # the H200, bf16 or fp8: perf/RESULTS.md calls 41-42)
-    tiles = CANDIDATES + (FP8_CANDIDATES if scale is not None else ()) + DOT_CANDIDATES
-    for cfg in (c for c in tiles if rows > 1 or len(c) == 4):
+    # the H200, bf16 or fp8: perf/RESULTS.md calls 41-42); fp8's integer-widening tiles at one
+    # row (where the FMA tiles run)
+    tiles = CANDIDATES + (FP8_CANDIDATES if scale is not None else ()) + DOT_CANDIDATES \
+        + (FP8_WIDEN_CANDIDATES if scale is not None and rows == 1 else ())
+    for cfg in (c for c in tiles if rows > 1 or len(c) == 4 or not c[4]):
         try:
             # a tile that is wrong here (e.g. a miscompile) or fails is never chosen; the
             # fused norm skips one bf16 rounding, hence the tolerance

@@ -1,7 +1,9 @@
-"""The FP8 GEMM's input quantized by the op before it (layers/fp8_inputs.py): the RMSNorm and
-SiLU·mul kernels that write e4m3 rows and per-row scales must give, bit for bit, what the
-separate kernels give (norm or activation in the model's dtype, then kernels.quant's per-row
-quantization), and the layers must take that path on CUDA only where it applies.
+"""quantization="fp8"'s newer kernels. The FP8 GEMM's input quantized by the op before it
+(layers/fp8_inputs.py): the RMSNorm and SiLU·mul kernels that write e4m3 rows and per-row scales
+must give, bit for bit, what the separate kernels give (norm or activation in the model's dtype,
+then kernels.quant's per-row quantization), and the layers must take that path on CUDA only
+where it applies. The skinny matmul's one-row tiles that widen e4m3 with integer ops
+(gemv.FP8_WIDEN_CANDIDATES) must give the sums of the same tile with triton's conversion.
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 at tiny shapes (as in test_kernels.py)."""
 import importlib
@@ -136,3 +138,38 @@ def test_layers_fused_quant_path_equals_the_separate_one(monkeypatch):
         outs.append((gu, new_r, mlp.down.forward_silu_mul(gu)))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("prologue", ["plain", "add_norm", "silu_mul"])
+def test_skinny_fp8_integer_widening_gives_the_same_sums(prologue):
+    """WIDEN 1 (triton-language bit placement) and 2 (PTX; on the CPU interpreter it runs 1)
+    against the same tile widening with triton's cast: equal sums, zeros and e4m3 subnormals
+    included, at 1 row (the tuner's use) and 3."""
+    from pagedbackend.kernels import gemv
+    from pagedbackend.layers.quantization import quantize_weight_fp8
+    n, k = (4096, 4096) if CUDA else (40, 200)
+    w = torch.randn(n, k, device=DEV) / k ** 0.5
+    w[0, :7] = 0
+    w[1, :9] = w[1].abs().max() * 2.0 ** -16        # e4m3 subnormals once scaled
+    wq, s = quantize_weight_fp8(w)
+    assert ((wq.view(torch.uint8) & 0x78) == 0).logical_and(wq.float() != 0).any()
+    dt = torch.bfloat16 if CUDA else torch.float32
+    kind = {"plain": gemv.PLAIN, "add_norm": gemv.ADD_NORM, "silu_mul": gemv.SILU_MUL}[prologue]
+    tiles = gemv.FP8_WIDEN_CANDIDATES if CUDA else gemv.FP8_WIDEN_CANDIDATES[:2]
+    for m in (1, 3):
+        x = torch.randn(m, 2 * k if kind == gemv.SILU_MUL else k, device=DEV).to(dt)
+        r = torch.randn(m, k, device=DEV).to(dt)
+        g = (1 + 0.3 * torch.randn(k, device=DEV)).to(dt)
+        args = (r, g, 1e-5) if kind == gemv.ADD_NORM else (None, None, 0.0)
+        for cfg in tiles:
+            y = gemv.skinny_linear(x, wq, None, cfg, kind, *args, weight_scale=s)
+            ref = gemv.skinny_linear(x, wq, None, cfg[:4], kind, *args, weight_scale=s)
+            if kind == gemv.ADD_NORM:
+                assert torch.equal(y[1], ref[1])
+                y, ref = y[0], ref[0]
+            assert not y.isnan().any()
+            if CUDA:    # the PTX path is compiled only here
+                err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+                assert err < 1e-6, (cfg, m, err)
+            else:
+                assert torch.equal(y, ref), (cfg, m)
