@@ -85,6 +85,7 @@ def main():
     run_variants(a.ab, make_llm, body)
     keys = ("workload", "variant", "output_tokens_per_s", "decode_tokens_per_s", "ttft_ms", "mbu")
     table = [{**{k: r[k] for k in keys}, "step_ms": r["step_split"]["step_ms"]} for r in rows]
+    print_table(table, f"W1 {a.model}")
     if a.compiled_baseline:     # after our engines are gone: the GPU's memory is its own
         from w1_compiled_baseline import run_baseline
         base = run_baseline(a.model)
@@ -93,7 +94,8 @@ def main():
                       "output_tokens_per_s": None, "decode_tokens_per_s":
                       base["decode_tokens_per_s"], "ttft_ms": None, "mbu": base["mbu"],
                       "step_ms": 1e3 / base["decode_tokens_per_s"]})
-    print_table(table, f"W1 {a.model}")
+        print_table(table, f"W1 {a.model} and the compiled baseline "
+                           f"(compile + warm-up {base['compile_and_warmup_s']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ def main():
     ap.add_argument("--suffix", default="", help="result file suffix (A/B runs)")
     ap.add_argument("--quantization", default=None, help="e.g. fp8: every engine's weights")
     ap.add_argument("--kv-cache-dtype", default="auto", help="e.g. fp8: every engine's cache")
+    ap.add_argument("--ab-shapes", default="",
+                    help="the shapes the --ab variants run (default: --shapes), e.g. to leave "
+                         "the long 128-2048 to the default engine")
     ap.add_argument("--profile", action="store_true",
                     help="also profile --profile-shape (default: one wave of W2 128/128: "
                     "8 prefill steps, 128 decode steps of 512 rows)")
@@ -58,8 +61,9 @@ def main():
 
     def body(llm, label):
         suffix = a.suffix if label == "default" else "-".join(filter(None, (a.suffix, label)))
+        shapes = a.shapes if label == "default" else (a.ab_shapes or a.shapes)
         rows.extend({"variant": label, **run(llm, a.model, s, suffix)}
-                    for s in a.shapes.split(","))
+                    for s in shapes.split(","))
         if a.profile and label == "default":
             from pagedbackend import SamplingParams
             isl, osl, n = (int(x) for x in a.profile_shape.split("-"))
