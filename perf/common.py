@@ -78,7 +78,8 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
            "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, blaslt, ropekernel, "
            "oldtiles, eagerprefill, decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, "
-           "fp8oldtiles, pagedkv, nopdl, cublas; default runs the default again (perf/common.run_variants)")
+           "fp8oldtiles, pagedkv, nopdl, cublas; default runs the default again "
+           "(perf/common.run_variants)")
 
 
 def run_variants(names: str, make_llm, body) -> None:
@@ -137,15 +138,17 @@ def run_variants(names: str, make_llm, body) -> None:
     switches, initial = (), []
     if variants:    # imported only for an A/B: an older engine (perf/snapshot.sh) may lack them
         from pagedbackend.kernels import common, decode, gemv_tuning, prefill
-        from pagedbackend.layers import fp8_inputs
         from pagedbackend.worker import cuda_graph
+        if "fp8nofuse" in variants:     # newer than perf/snapshot.sh's older engines
+            from pagedbackend.layers import fp8_inputs
         switches = ((common, "PDL_ENABLED"), (gemv_tuning, "ENABLED"),
                     (decode, "ROPE_IN_DECODE"), (decode, "LONGEST_FIRST"),
                     (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
                     (decode, "decode_config"), (decode, "FP8_BLOCK_N"),
                     (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"),
-                    (prefill, "CONTIG_KV"), (fp8_inputs, "FUSED_QUANT"),
-                    (gemv_tuning, "FP8_WIDEN_CANDIDATES"))
+                    (prefill, "CONTIG_KV")) \
+            + (((fp8_inputs, "FUSED_QUANT"),) if "fp8nofuse" in variants else ()) \
+            + (((gemv_tuning, "FP8_WIDEN_CANDIDATES"),) if "fp8oldtiles" in variants else ())
         initial = [getattr(mod, name) for mod, name in switches]
     blas = torch.backends.cuda.preferred_blas_library()
     overrides = {}
