@@ -141,9 +141,10 @@ for s in $stages; do
              --ab-shapes 128-128,2048-128 --quantization fp8 --kv-cache-dtype fp8 --suffix fp8 \
              --ab fp8nofuse ;;
     # W5: transformers generate (20 s of it), transformers continuous batching (40 s at most),
-    # then our engine (bf16, as both); ~2.7 min
-    w5cb) run w5cb 185 "$base_py" perf/w5_vs_transformers.py --hf-max-seconds 20 \
-            --cb-max-seconds 40 ;;
+    # then our engine (bf16, as both); ~2.7 min. Offline hub: continuous batching looks for a
+    # flash-attention kernel on the Hub when none is installed, which must fail fast here
+    w5cb) run w5cb 185 env HF_HUB_OFFLINE=1 "$base_py" perf/w5_vs_transformers.py \
+            --hf-max-seconds 20 --cb-max-seconds 40 ;;
     # the compiled W1 baseline alone, ~2 min
     w1compiled) run w1compiled 200 python3 perf/w1_compiled_baseline.py ;;
     # decode attention at W5's mixed context lengths: grid order, longest first, splits, stages
