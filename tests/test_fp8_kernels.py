@@ -74,19 +74,22 @@ def test_rms_norm_quant_equals_norm_then_quantize(residual, dtype):
 def test_silu_and_mul_quant_equals_activation_then_quantize(dtype):
     act, quant = kernels("activation"), kernels("quant")
     t, i = (300, 14336) if CUDA else (5, 150)
-    # on the CPU a 64-column block: three iterations per pass, the last one masked
-    block = act.QUANT_BLOCK if CUDA else 64
     x = (2 * torch.randn(t, 2 * i, device=DEV)
          * torch.logspace(-2, 1, t, device=DEV)[:, None]).to(dtype)
     x[2] = 0
-    q, s = act.silu_and_mul_quant_fp8(x, block)
-    assert q.shape == (t, i)
-    assert_same_quantized((q, s), quant.quantize_rows_fp8(act.silu_and_mul(x)))
-    assert (q[2].float() == 0).all() and (q.float().abs().amax(dim=1)[[0, 1, 3, 4]] == 448).all()
-    # a 3-D input whose rows are a view into a wider buffer
-    wide = torch.randn(2, 2, 2 * i + 64, device=DEV).to(dtype)[..., :2 * i]
-    assert_same_quantized(act.silu_and_mul_quant_fp8(wide, block),
-                          quant.quantize_rows_fp8(act.silu_and_mul(wide).reshape(4, i)))
+    want = quant.quantize_rows_fp8(act.silu_and_mul(x))
+    # the whole row in registers (the default at these widths), then two passes over it in
+    # blocks (on the CPU 64 columns: three iterations per pass, the last one masked)
+    for block in (None, act.QUANT_BLOCK if CUDA else 64):
+        q, s = act.silu_and_mul_quant_fp8(x, block)
+        assert q.shape == (t, i)
+        assert_same_quantized((q, s), want)
+        assert (q[2].float() == 0).all()
+        assert (q.float().abs().amax(dim=1)[[0, 1, 3, 4]] == 448).all()
+        # a 3-D input whose rows are a view into a wider buffer
+        wide = torch.randn(2, 2, 2 * i + 64, device=DEV).to(dtype)[..., :2 * i]
+        assert_same_quantized(act.silu_and_mul_quant_fp8(wide, block),
+                              quant.quantize_rows_fp8(act.silu_and_mul(wide).reshape(4, i)))
 
 
 def test_fp8_norm_and_silu_linear_compose_the_separate_steps():
