@@ -87,7 +87,9 @@ def main():
     table = [{**{k: r[k] for k in keys}, "step_ms": r["step_split"]["step_ms"]} for r in rows]
     print_table(table, f"W1 {a.model}")
     if a.compiled_baseline:     # after our engines are gone: the GPU's memory is its own
+        from pagedbackend.kernels.common import COMPILES
         from w1_compiled_baseline import run_baseline
+        COMPILES.disarm()       # the baseline's own compiles are expected, not a stall of ours
         base = run_baseline(a.model)
         write_result("W1", a.model, base, "compiled")
         table.append({"workload": "W1", "variant": f"torch.compile {base['dtype']} (baseline)",
