@@ -32,6 +32,7 @@ DT = torch.bfloat16
 DEVICE = "cuda"
 PEAK_BW = 4.27e12
 ROWS: list[tuple] = []          # (name, triton ms, torch ms, metric)
+FP8_ROWS = (512, 8192)          # W2's decode and prefill steps
 
 
 def bench(fn) -> float:
@@ -226,19 +227,59 @@ def bench_elementwise():
             f"{2 * (q.numel() + k.numel()) * 2 / (tt * 1e-3) / 1e9:7.0f} GB/s")
 
 
+def bench_fp8_inputs():
+    """quantization="fp8": the RMSNorm / SiLU·mul kernels that quantize for the FP8 GEMM
+    against the plain kernel + the per-row quantization kernel ("torch" column: the separate
+    kernels), at W2's decode (512 rows) and prefill (8,192) steps; then the one-row e4m3 tiles
+    that widen with integer ops against the same tile with triton's cast ("torch" column),
+    graph-timed with the L2 flushed as the tuner times them, at llama-3.1-8b's four matmuls."""
+    from pagedbackend.kernels import activation, gemv, norm, quant
+    from pagedbackend.kernels.gemv_tuning import _time_us
+    from pagedbackend.layers.quantization import quantize_weight_fp8
+    inter = HIDDEN * 7 // 2            # llama-3.1-8b's 14,336
+    for t in FP8_ROWS:
+        x = torch.randn(t, HIDDEN, device=DEVICE, dtype=DT)
+        res, w = torch.randn_like(x), torch.randn(HIDDEN, device=DEVICE, dtype=DT)
+        tt = bench(lambda: norm.rms_norm_quant_fp8(x, res, w, 1e-5))
+        tr = bench(lambda: quant.quantize_rows_fp8(norm.fused_add_rms_norm(x, res, w, 1e-5)[0]))
+        row(f"add_rms_norm+fp8 T={t}", tt, tr, f"{5 * x.numel() / (tt * 1e-3) / 1e9:7.0f} GB/s")
+        gu = torch.randn(t, 2 * inter, device=DEVICE, dtype=DT)
+        tt = bench(lambda: activation.silu_and_mul_quant_fp8(gu))
+        tr = bench(lambda: quant.quantize_rows_fp8(activation.silu_and_mul(gu)))
+        row(f"silu_mul+fp8 T={t}", tt, tr, f"{5 * gu.numel() / 2 / (tt * 1e-3) / 1e9:7.0f} GB/s")
+    shapes = (("qkv+norm", HIDDEN * 3 // 2, HIDDEN, gemv.ADD_NORM), ("o", HIDDEN, HIDDEN, gemv.PLAIN),
+              ("gate_up+norm", 2 * inter, HIDDEN, gemv.ADD_NORM),
+              ("down+silu", HIDDEN, inter, gemv.SILU_MUL))
+    for name, n, k, kind in shapes:
+        wq, sw = quantize_weight_fp8(torch.randn(n, k, device=DEVICE) / k ** 0.5)
+        x = torch.randn(1, 2 * k if kind == gemv.SILU_MUL else k, device=DEVICE, dtype=DT)
+        r, g = torch.randn(1, k, device=DEVICE, dtype=DT), torch.ones(k, device=DEVICE, dtype=DT)
+        extra = (r, g, 1e-5) if kind == gemv.ADD_NORM else (None, None, 0.0)
+        for cfg in gemv.FP8_WIDEN_CANDIDATES:
+            def run(c):
+                return gemv.skinny_linear(x, wq, None, c, kind, *extra, weight_scale=sw)
+            try:
+                tt, tr = _time_us(lambda: run(cfg)) / 1e3, _time_us(lambda: run(cfg[:4])) / 1e3
+            except Exception as e:      # noqa: BLE001  -- e.g. the PTX form not compiling
+                print(f"fp8 1-row {name} {cfg}: failed: {type(e).__name__}: {e}"[:300])
+                continue
+            row(f"fp8 1-row {name} {cfg[:4]} widen{cfg[5]}", tt, tr,
+                f"{n * k / (tt * 1e-3) / 1e12:5.2f} TB/s of weights")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also try a few tile configs")
     ap.add_argument("--only", default="",
-                    help="comma-separated parts to run: decode, mixedlen, fp8, prefill, mixed, "
-                         "elementwise (default: all)")
+                    help="comma-separated parts to run: decode, mixedlen, fp8, fp8in, prefill, "
+                         "mixed, elementwise (default: all)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "kernels_bench needs a CUDA GPU"
     torch.manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"triton {triton.__version__}  SMs {num_sms(torch.cuda.current_device())}")
     parts = {"decode": lambda: bench_decode(args.sweep), "mixedlen": bench_decode_mixed_lengths,
-             "fp8": bench_decode_fp8,
+             "fp8": bench_decode_fp8, "fp8in": bench_fp8_inputs,
              "prefill": lambda: bench_prefill(args.sweep), "mixed": bench_mixed,
              "elementwise": bench_elementwise}
     for name in (args.only.split(",") if args.only else parts):

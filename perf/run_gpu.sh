@@ -145,6 +145,9 @@ for s in $stages; do
     # flash-attention kernel on the Hub when none is installed, which must fail fast here
     w5cb) run w5cb 185 env HF_HUB_OFFLINE=1 "$base_py" perf/w5_vs_transformers.py \
             --hf-max-seconds 20 --cb-max-seconds 40 ;;
+    # the fused quantizing norm / SiLU·mul against the separate kernels (512 and 8,192 rows),
+    # and each widening one-row fp8 tile against the same tile with triton's cast, ~1.5 min
+    fp8inbench) run fp8inbench 150 python3 perf/kernels_bench.py --only fp8in ;;
     # the compiled W1 baseline alone, ~2 min
     w1compiled) run w1compiled 200 python3 perf/w1_compiled_baseline.py ;;
     # decode attention at W5's mixed context lengths: grid order, longest first, splits, stages
