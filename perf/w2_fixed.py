@@ -6,7 +6,7 @@ import argparse
 
 from common import (AB_HELP, LIMITS, cuda_alloc_stats, dummy_model_dir, engine_overrides,
                     output_tokens, print_table, profile_generate, random_prompts, run_variants,
-                    timed, write_result)
+                    result_model, timed, write_result)
 
 SHAPES = {"128-128": (128, 128, 1024), "128-2048": (128, 2048, 512), "2048-128": (2048, 128, 512)}
 
@@ -53,8 +53,8 @@ def main():
     rows = []
 
     def body(llm, label):
-        suffix = a.suffix if label == "default" else label
-        rows.extend({"variant": label, **run(llm, a.model, s, suffix)}
+        model, suffix = result_model(a.model, a.suffix if label == "default" else label)
+        rows.extend({"variant": label, **run(llm, model, s, suffix)}
                     for s in a.shapes.split(","))
         if a.profile and label == "default":
             from pagedbackend import SamplingParams

@@ -75,3 +75,30 @@ def test_packed_gemv_matches_dequantize_then_matmul(cfg, bits, group, dtype):
 def test_block_k_stays_inside_a_group():
     assert gemv_w4._block_k(128, 128) == 128 and gemv_w4._block_k(128, 64) == 64
     assert gemv_w4._block_k(128, 48) == 16 and gemv_w4._block_k(64, 256) == 64
+
+
+@pytest.mark.skipif(not CUDA, reason="the tile is timed on the device")
+def test_packed_linear_tunes_and_agrees_at_every_width():
+    """The layer's GPU path: a tuned tile (or dequantize + cuBLAS where none beats it) for 1-8
+    rows, dequantize + cuBLAS above; all within a bf16 matmul's rounding of the reference."""
+    pw = packed_weight(4096, 4096, 4, 128)
+    w = torch_dequantize(pw)
+    for m in (1, 2, 8, 64):
+        x = torch.randn(m, 4096, device=DEV).bfloat16()
+        y = gemv_w4.packed_linear(x, pw, None)
+        assert rel_err(y, x.float() @ w.t()) < 1e-2, m
+
+
+@pytest.mark.parametrize("cfg", [(16, 512, 4, 3), (32, 256, 4, 4, True)], ids=["fma", "dot"])
+def test_skinny_linear_reads_int8_weights(cfg):
+    """quantization="int8": the 16-bit skinny kernel reads int8 weights as it reads e4m3 ones
+    (the per-channel scale multiplies the finished products)."""
+    from pagedbackend.kernels.gemv import skinny_linear
+    from pagedbackend.layers.quantization import dequantize, quantize_weight_int8
+    n, k = (6144, 4096) if CUDA else (48, 200)
+    wq, s = quantize_weight_int8(torch.randn(n, k, device=DEV) / k ** 0.5)
+    w = dequantize(wq, s, torch.float32)
+    for m in (1, 3):
+        x = torch.randn(m, k, device=DEV).bfloat16()
+        y = skinny_linear(x, wq, None, cfg, weight_scale=s)
+        assert y.dtype == torch.bfloat16 and rel_err(y, x.float() @ w.t()) < 1e-2, m
