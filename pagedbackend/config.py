@@ -13,9 +13,11 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # auto: the model's dtype; fp8 (= fp8_e4m3): the KV cache in float8 e4m3 with a scale of 1
 # (vLLM's names and default scaling), half the bytes per token
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-# fp8: the linear layers' weights quantized to float8 e4m3 at start, one scale per output
-# channel, inputs per token (layers/quantization.py); None: the weights as loaded
-QUANTIZATIONS = ("fp8",)
+# fp8 / int8: the linear layers' weights quantized to float8 e4m3 / int8 at start, one scale
+# per output channel (layers/quantization.py); awq / gptq: a checkpoint of group-wise 4-bit
+# (GPTQ: or 8-bit) weights (layers/quant_grouped.py), found from config.json without it too;
+# None: the weights as loaded
+QUANTIZATIONS = ("fp8", "int8", "awq", "gptq")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")

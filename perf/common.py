@@ -75,11 +75,23 @@ AB_SUFFIXES = {("PERF_ASYNC", "0"): "sync", ("PAGEDBACKEND_SKINNY_GEMM", "0"): "
                ("PAGEDBACKEND_FP8_FUSED_QUANT", "0"): "fp8nofuse"}
 
 
+# --ab variants that change the weights' quantization (one at a time)
+WEIGHT_VARIANTS = {"fp8w": "fp8", "awq": "awq", "gptq": "gptq", "int8": "int8"}
+
+
+def result_model(model: str, label: str) -> tuple[str, str]:
+    """(model name, suffix) of a variant's result file: quantized weights name the model
+    (W1-llama-3.1-8b-awq-h200.json), other switches the suffix."""
+    if label in WEIGHT_VARIANTS and label != "fp8w":
+        return f"{model}-{label}", ""
+    return model, label
+
+
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
            "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, blaslt, ropekernel, "
            "oldtiles, eagerprefill, decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, "
-           "fp8oldtiles, pagedkv, nopdl, cublas; default runs the default again "
-           "(perf/common.run_variants)")
+           "fp8oldtiles, awq, gptq, int8, pagedkv, nopdl, cublas; default runs the default "
+           "again (perf/common.run_variants)")
 
 
 def run_variants(names: str, make_llm, body) -> None:
@@ -101,6 +113,9 @@ def run_variants(names: str, make_llm, body) -> None:
     before them: layers/fp8_inputs.FUSED_QUANT off), fp8oldtiles (the skinny matmul's tuner
     without the one-row fp8 tiles that widen e4m3 with integer ops, gemv.FP8_WIDEN_CANDIDATES;
     its choices are forgotten so the next engine tunes again, as after a later "default"),
+    awq / gptq / int8 (make_llm(quantization=...): dummy 4-bit AWQ / GPTQ codes generated on
+    the device, or int8 weights; one weight kind at a time, a later one replaces an earlier one
+    or fp8w),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". "default" undoes every switch and runs the
     default again (label "default-again", then "default-again-2", ...): an A-B-A order shows
@@ -115,17 +130,19 @@ def run_variants(names: str, make_llm, body) -> None:
     def kind(v):        # noprefetch is pf0; pfplain<MB> is a pf too
         if v == "noprefetch":
             return "pf"
+        if v in WEIGHT_VARIANTS:
+            return "weights"
         return next((k for p, k in (("pfplain", "pf"), ("pf", "pf"), ("mbt", "mbt"))
                      if v.startswith(p) and v[len(p):].isdigit()), v)
     for name in variants:
         if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "blaslt", "ropekernel",
                               "eagerprefill", "oldtiles", "decode3", "gridorder", "fp8kv",
-                              "fp8n64", "fp8w", "fp8nofuse", "fp8oldtiles", "pagedkv",
+                              "fp8n64", "weights", "fp8nofuse", "fp8oldtiles", "pagedkv",
                               "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, "
                              "mbt<N>, blaslt, ropekernel, eagerprefill, oldtiles, "
                              "decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, fp8oldtiles, "
-                             "pagedkv, nopdl, cublas "
+                             "awq, gptq, int8, pagedkv, nopdl, cublas "
                              "or default")
     steps, active, again = [("default", None)], [], 0
     for v in variants:
@@ -182,8 +199,8 @@ def run_variants(names: str, make_llm, body) -> None:
             decode.FP8_BLOCK_N = 64
         elif switch == "fp8kv":
             overrides["kv_cache_dtype"] = "fp8"
-        elif switch == "fp8w":
-            overrides["quantization"] = "fp8"
+        elif switch in WEIGHT_VARIANTS:
+            overrides["quantization"] = WEIGHT_VARIANTS[switch]
         elif switch == "fp8nofuse":
             fp8_inputs.FUSED_QUANT = False
         elif switch == "fp8oldtiles":

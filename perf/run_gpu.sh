@@ -150,6 +150,12 @@ for s in $stages; do
     fp8inbench) run fp8inbench 150 python3 perf/kernels_bench.py --only fp8in ;;
     # the compiled W1 baseline alone, ~2 min
     w1compiled) run w1compiled 200 python3 perf/w1_compiled_baseline.py ;;
+    # AWQ / GPTQ / INT8 weights: the W4A16 kernels' parity and tuning at real shapes; W1 with
+    # bf16, AWQ, GPTQ and INT8 dummy weights in one process (W1-llama-3.1-8b-awq-h200.json, ...);
+    # W2 128/128 bf16 then AWQ
+    quantkernels) run quantkernels 150 python3 -m pytest -q tests/test_quant_kernels.py ;;
+    w1quant) run w1quant 420 python3 perf/w1_decode.py --ab awq,gptq,int8 ;;
+    w2awq) run w2awq 300 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
     # decode attention at W5's mixed context lengths: grid order, longest first, splits, stages
     mixedlen) run mixedlen 120 python3 perf/kernels_bench.py --only mixedlen ;;
     w5) run w5 300 "$base_py" perf/w5_vs_transformers.py ;;

@@ -9,12 +9,17 @@ import argparse
 
 from common import (AB_HELP, H200_BW, LIMITS, decode_tokens_per_s, dummy_model_dir,
                     engine_overrides, print_table, profile_generate, random_prompts,
-                    run_variants, timed, write_result)
+                    result_model, run_variants, timed, write_result)
 
 
 def weight_bytes_per_step(model) -> int:
-    """Every parameter is read each decode step except the (untied) embedding table."""
+    """Every parameter is read each decode step except the (untied) embedding table; AWQ /
+    GPTQ layers' packed codes, scales and zeros are not parameters."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for m in model.modules():
+        q = getattr(m, "quant", None)
+        if q is not None:
+            total += sum(t.numel() * t.element_size() for t in (q.qweight, q.scales, q.zeros))
     emb = model.model.embed_tokens.weight
     tied = model.lm_head.weight is emb
     return total if tied else total - emb.numel() * emb.element_size()
@@ -76,8 +81,9 @@ def main():
     rows = []
 
     def body(llm, label):
-        suffix = "-".join(filter(None, (a.suffix, "" if label == "default" else label)))
-        rows.append({"workload": "W1", "variant": label, **run(llm, a.model, suffix=suffix)})
+        model, lab = result_model(a.model, "" if label == "default" else label)
+        suffix = "-".join(filter(None, (a.suffix, lab)))
+        rows.append({"workload": "W1", "variant": label, **run(llm, model, suffix=suffix)})
         # without PDL the kernel times are not inflated by early starts; fp8 weights have
         # kernels of their own
         if a.profile and (label == "default" or label.endswith("nopdl") or "fp8w" in label):

@@ -6,7 +6,7 @@ import argparse
 
 from common import (AB_HELP, LIMITS, cuda_alloc_stats, dummy_model_dir, engine_overrides,
                     output_tokens, print_table, profile_generate, random_prompts, run_variants,
-                    timed, write_result)
+                    result_model, timed, write_result)
 
 SHAPES = {"128-128": (128, 128, 1024), "128-2048": (128, 2048, 512), "2048-128": (2048, 128, 512)}
 
@@ -60,9 +60,10 @@ def main():
     rows = []
 
     def body(llm, label):
-        suffix = a.suffix if label == "default" else "-".join(filter(None, (a.suffix, label)))
+        model, lab = result_model(a.model, "" if label == "default" else label)
+        suffix = "-".join(filter(None, (a.suffix, lab)))
         shapes = a.shapes if label == "default" else (a.ab_shapes or a.shapes)
-        rows.extend({"variant": label, **run(llm, a.model, s, suffix)}
+        rows.extend({"variant": label, **run(llm, model, s, suffix)}
                     for s in shapes.split(","))
         if a.profile and label == "default":
             from pagedbackend import SamplingParams

@@ -115,7 +115,7 @@ def test_engine_fp8_equals_the_model_computing_the_same_formula(llama_dir, monke
 def test_quantization_setting_is_checked():
     assert EngineConfig(model="m", quantization="fp8").quantization == "fp8"
     with pytest.raises(ValueError, match=r"^quantization='int4' is invalid: must be None or one "
-                                         r"of \('fp8',\)"):
+                                         r"of \('fp8', 'int8', 'awq', 'gptq'\)"):
         EngineConfig(model="m", quantization="int4")
 
 
@@ -204,13 +204,13 @@ def test_fp8_checkpoint_is_read_as_it_is(llama_dir, tmp_path, monkeypatch, metho
 
 
 def test_checkpoints_it_cannot_read_are_refused(llama_dir, tmp_path):
-    """Quantized checkpoints of other kinds are refused when the engine starts, naming what
-    they are; e4m3 tensors without a quantization_config saying so are refused by name, not
+    """Quantized checkpoints of kinds it does not read (AWQ and GPTQ it does:
+    test_quant_formats.py) are refused when the engine starts, naming what they are; e4m3 tensors without a quantization_config saying so are refused by name, not
     loaded without their scales."""
     import json
     import shutil
     from pathlib import Path
-    for qc, what in (({"quant_method": "awq", "bits": 4}, "'awq'"),
+    for qc, what in (({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
                      ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
                      ({"quant_method": "compressed-tensors", "config_groups": {"g": {
                          "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},

@@ -64,13 +64,17 @@ def test_engine_config_from_parameters():
         engine_config({"model": "x", "kv_cache_dtype": "fp4"}, Path("/"))
     shipped = (Path(__file__).parents[1] / "model_repository/engine/config.pbtxt").read_text()
     assert 'key: "kv_cache_dtype" value: { string_value: "auto" }' in shipped
-    # fp8 weights: the shipped value is empty (the weights as loaded)
-    assert engine_config({"model": "x", "quantization": "fp8"}, Path("/")).quantization == "fp8"
+    # quantized weights: the shipped value is empty (the weights as loaded; an AWQ / GPTQ
+    # checkpoint is found from its config.json without it)
+    for method in ("fp8", "int8", "awq", "gptq"):
+        assert engine_config({"model": "x", "quantization": method},
+                             Path("/")).quantization == method
     assert engine_config(parameters_of({"parameters": {
         "model": {"string_value": "x"}, "quantization": {"string_value": ""}}}),
         Path("/")).quantization is None
-    with pytest.raises(ValueError, match=r"^quantization='awq' is invalid"):
-        engine_config({"model": "x", "quantization": "awq"}, Path("/"))
+    with pytest.raises(ValueError, match=r"^quantization='int4' is invalid: must be None or one "
+                                         r"of \('fp8', 'int8', 'awq', 'gptq'\)"):
+        engine_config({"model": "x", "quantization": "int4"}, Path("/"))
     assert 'key: "quantization" value: { string_value: "" }' in shipped
 
 

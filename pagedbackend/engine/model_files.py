@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedbackend.config import EngineConfig, check
-from pagedbackend.layers.quantization import checkpoint_quantization
+from pagedbackend.layers.quantization import check_quantization_agrees, checkpoint_quantization
 
 DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
 
@@ -100,7 +100,9 @@ def load_model_files(config: EngineConfig) -> ModelFiles:
     batched = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS[device]
     check(config.enable_chunked_prefill or batched >= max_model_len, "max_num_batched_tokens",
           batched, f">= max_model_len ({max_model_len}) when enable_chunked_prefill is off")
-    checkpoint_quantization(hf_config, config.model)   # a quantization it cannot read: refused
+    # a quantization it cannot read, or one other than `quantization` asks for: refused
+    check_quantization_agrees(config.quantization,
+                              checkpoint_quantization(hf_config, config.model), config.load_format)
     archs = hf_config.get("architectures") or ["LlamaForCausalLM"]
     info = EngineInfo(
         model_type=hf_config.get("model_type", "llama"), architecture=archs[0], device=device,

@@ -170,7 +170,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
             w = tl.load(w_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0,
                         eviction_policy="evict_first")
         if USE_DOT:
-            if HAS_SCALE:   # fp8 weights: e4m3 widens to fp16 in one conversion (bf16: two)
+            if HAS_SCALE:   # fp8 / int8 weights: e4m3 widens to fp16 in one conversion, int8 exactly
                 acc2 += mma(x.to(tl.float16), tl.trans(w.to(tl.float16)), PRECISION)
             else:
                 acc2 += mma(x.to(w.dtype), tl.trans(w), PRECISION)
@@ -210,7 +210,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (M <= MAX_ROWS, or MAX_DOT_ROWS with a DOT_CANDIDATES tile; rows contiguous),
     weight [N, K] contiguous, bias [N] or None -> [M, N] in x's dtype, with one of CANDIDATES
-    or DOT_CANDIDATES as the tile. With weight_scale [N] (fp32) the weight is float8 e4m3 and
+    or DOT_CANDIDATES as the tile. With weight_scale [N] (fp32) the weight is float8 e4m3 (or
+    int8, quantization="int8") and
     y = x @ (weight * weight_scale[:, None]).T: the input stays in 16 bits (the tensor-core
     tiles round it to fp16), the scale multiplies the finished products.
 
@@ -226,7 +227,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert 1 <= m <= (MAX_DOT_ROWS if use_dot else MAX_ROWS) and x.stride(1) == 1
     assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     assert weight.is_contiguous() and (bias is None or bias.is_contiguous())
-    assert (weight_scale is not None) == (weight.dtype == torch.float8_e4m3fn)
+    assert (weight_scale is not None) == (weight.dtype in (torch.float8_e4m3fn, torch.int8))
     assert weight_scale is None or weight_scale.shape == (n,) and weight_scale.is_contiguous()
     block_m = max(16, rows_bucket(m)) if use_dot else rows_bucket(m)
     block_k = min(block_k1 if use_dot else max(block_k1 // block_m, 16),

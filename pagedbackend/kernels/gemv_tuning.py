@@ -22,7 +22,7 @@ from pagedbackend.kernels.gemv import (ADD_NORM, CANDIDATES, DOT_CANDIDATES, FP8
                                        FP8_WIDEN_CANDIDATES, MAX_ROWS, NORM, PLAIN, SILU_MUL,
                                        rows_bucket, skinny_linear)
 from pagedbackend.layers.fp8_inputs import fp8_norm_linear, fp8_silu_linear, fused_quant_active
-from pagedbackend.layers.quantization import dequantize, fp8_linear
+from pagedbackend.layers.quantization import dequantize, scaled_linear
 
 logger = logging.getLogger("pagedbackend")
 
@@ -111,7 +111,7 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
     def matmul(a, reference=False):
         if scale is None or reference:
             return F.linear(a, exact, bias)
-        return fp8_linear(a, weight, scale, bias)
+        return scaled_linear(a, weight, scale, bias)
 
     if prologue == ADD_NORM:
         what = "rms_norm+"

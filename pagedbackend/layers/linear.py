@@ -17,7 +17,8 @@ from torch import nn
 from pagedbackend.layers.activation import silu_and_mul
 from pagedbackend.layers.fp8_inputs import fp8_norm_linear, fp8_silu_linear, fused_quant_active
 from pagedbackend.layers.norm import USE_KERNELS
-from pagedbackend.layers.quantization import fp8_linear
+from pagedbackend.layers.quant_grouped import PackedWeight
+from pagedbackend.layers.quantization import scaled_linear
 
 
 def narrow(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
@@ -46,14 +47,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except for decode batches of a few rows on CUDA, where a triton kernel takes
     the shapes it was measured faster on (pagedbackend.kernels.gemv_tuning). With weight_scale
-    the weight is float8 e4m3 with a scale per output channel (quantization="fp8")."""
+    the weight is float8 e4m3 or int8 with a scale per output channel (quantization="fp8" /
+    "int8")."""
     if x.is_cuda and USE_KERNELS:
         from pagedbackend.kernels.gemv_tuning import maybe_skinny_linear
         y = maybe_skinny_linear(x, weight, bias, weight_scale)
         if y is not None:
             return y
     if weight_scale is not None:
-        return fp8_linear(x, weight, weight_scale, bias)
+        return scaled_linear(x, weight, weight_scale, bias)
     return F.linear(x, weight, bias)
 
 
@@ -63,7 +65,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
     the pre-norm block's entry. On CUDA, where the skinny matmul serves proj's shape, the norm
     runs inside it (one kernel instead of two); with fp8 weights elsewhere the norm writes the
     FP8 GEMM's quantized input (layers/fp8_inputs.py)."""
-    if x.is_cuda and USE_KERNELS:
+    if x.is_cuda and USE_KERNELS and proj.quant is None:
         from pagedbackend.kernels.gemv_tuning import maybe_skinny_norm_linear
         out = maybe_skinny_norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias,
                                        proj.weight_scale)
@@ -110,7 +112,8 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.local_sizes)
         self.weight = new_param((out, input_size), dtype, device, self.weight_loader)
         self.bias = new_param((out,), dtype, device, self.weight_loader) if bias else None
-        self.weight_scale: torch.Tensor | None = None    # quantization="fp8": per output row
+        self.weight_scale: torch.Tensor | None = None    # fp8 / int8 weights: per output row
+        self.quant: PackedWeight | None = None           # AWQ / GPTQ weights (then no .weight)
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: int | None = None) -> None:
         i = shard_id or 0
@@ -119,6 +122,8 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, self.offsets[i], size).copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant(x, self.bias)
         return linear(x, self.weight, self.bias, self.weight_scale)
 
 
@@ -134,19 +139,22 @@ class RowParallelLinear(nn.Module):
         self.weight = new_param((output_size, self.local_in), dtype, device, self.weight_loader)
         # The bias is added once, after the reduction, so it is replicated.
         self.bias = new_param((output_size,), dtype, device) if bias else None
-        self.weight_scale: torch.Tensor | None = None    # quantization="fp8": per output row
+        self.weight_scale: torch.Tensor | None = None    # fp8 / int8 weights: per output row
+        self.quant: PackedWeight | None = None           # AWQ / GPTQ weights (then no .weight)
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
         param.data.copy_(narrow(loaded, 1, self.tp_rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self._reduce(self.quant(x, None))
         return self._reduce(linear(x, self.weight, None, self.weight_scale))
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(silu(gate) * up) over gate_up = [..., 2 * local_in]; on CUDA, where the skinny
         matmul serves this shape, the activation runs inside it; with fp8 weights elsewhere
         it writes the FP8 GEMM's quantized input."""
-        if gate_up.is_cuda and USE_KERNELS:
+        if gate_up.is_cuda and USE_KERNELS and self.quant is None:
             from pagedbackend.kernels.gemv_tuning import maybe_skinny_silu_linear
             y = maybe_skinny_silu_linear(gate_up, self.weight, self.weight_scale)
             if y is not None:

@@ -18,17 +18,25 @@ quant_method "fp8", or "compressed-tensors" with 8-bit float weights): the e4m3 
 copied unchanged and their scales, per tensor or per output channel, become the per-channel
 scales here (a per-tensor scale fills its projection's rows of a packed q|k|v or gate|up).
 Their activation scales are not used: inputs are always quantized per token, at run time.
+
+quantization="int8" (W8A16) is the same at start with int8 weights (|w| / scale rounded to
+the nearest integer in [-127, 127], one scale per output channel) and 16-bit inputs: the skinny
+kernel reads the int8 weights as it reads e4m3 ones, wider matmuls multiply by the int8 weight
+widened to the activations' dtype (exact: integers up to 256 fit bf16) and scale the result.
+AWQ and GPTQ checkpoints (group-wise 4/8-bit) are quant_formats.py and quant_grouped.py.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedbackend.layers.attention import FP8_MAX
 
 FP8 = torch.float8_e4m3fn
+INT8_MAX = 127.0
 # The smallest scale: an all-zero row (or weight row) quantizes to zeros instead of 0/0.
 MIN_SCALE = 1e-12
 
@@ -77,18 +85,43 @@ def fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, w_scale: torc
     return y
 
 
+def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] -> (wq [N, K] int8, scale [N] fp32): each row's largest magnitude on 127,
+    the others rounded to the nearest step (symmetric, per output channel)."""
+    wf = w.float()
+    scale = (wf.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp_(min=MIN_SCALE)
+    return torch.round(wf / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale.view(-1)
+
+
+def int8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(x @ wq.T) * w_scale (+ bias) in x's dtype, wq int8 widened to x's dtype (W8A16)."""
+    y = (F.linear(x, wq.to(x.dtype)).float() * w_scale).to(x.dtype)
+    return y if bias is None else y + bias
+
+
+def scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The matmul of a layer holding wq with per-channel scales: fp8 or int8."""
+    if wq.dtype == torch.int8:
+        return int8_linear(x, wq, w_scale, bias)
+    return fp8_linear(x, wq, w_scale, bias)
+
+
 def dequantize(wq: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight an fp8 layer stands for: wq * scale, in dtype (references and tests)."""
+    """The weight an fp8 or int8 layer stands for: wq * scale, in dtype (references, tests)."""
     return (wq.float() * w_scale.view(-1, 1)).to(dtype)
 
 
-def quantize_model_fp8(model: nn.Module) -> int:
-    """Replace every column- and row-parallel layer's weight by its e4m3 form and per-channel
-    scale (`weight_scale`), freeing the 16-bit weight; returns the number of layers changed."""
+def quantize_model_fp8(model: nn.Module, dtype: torch.dtype = FP8) -> int:
+    """Replace every column- and row-parallel layer's weight by its e4m3 (or int8) form and
+    per-channel scale (`weight_scale`), freeing the 16-bit weight; returns the number of layers
+    changed."""
+    quantize = quantize_weight_int8 if dtype == torch.int8 else quantize_weight_fp8
     count = 0
     with torch.no_grad():
         for module in _linear_layers(model):
-            wq, scale = quantize_weight_fp8(module.weight)
+            wq, scale = quantize(module.weight)
             _set_weight(module, wq)
             module.weight_scale = scale
             count += 1
@@ -109,13 +142,18 @@ def _set_weight(module: nn.Module, weight: torch.Tensor) -> None:
 
 
 def checkpoint_quantization(hf_config: dict, model_dir: str) -> Optional[str]:
-    """"fp8" when config.json's quantization_config describes float8 weights this engine reads,
-    None without one; any other quantization is a ValueError naming what it found."""
+    """What config.json's quantization_config describes: "fp8" (float8 weights), "awq" or
+    "gptq" (group-wise integer weights, their fields checked: quant_formats.GroupQuantSpec),
+    None without one; anything else is a ValueError naming what it found."""
     qc = hf_config.get("quantization_config")
     if not qc:
         return None
     method = qc.get("quant_method")
     why = None
+    if method in ("awq", "gptq"):
+        from pagedbackend.layers.quant_formats import GroupQuantSpec
+        GroupQuantSpec.from_config(qc)
+        return method
     if method == "fp8":
         if qc.get("weight_block_size"):
             why = f"fp8 with block-wise scales (weight_block_size {qc['weight_block_size']})"
@@ -130,9 +168,26 @@ def checkpoint_quantization(hf_config: dict, model_dir: str) -> Optional[str]:
         why = repr(method)
     if why is not None:
         raise ValueError(f"model={model_dir!r} is invalid: its checkpoint is quantized with {why}; "
-                         "must be 16-bit, or FP8 (quant_method 'fp8' or compressed-tensors "
-                         "float8 weights, per-tensor or per-channel scales)")
+                         "must be 16-bit, FP8 (quant_method 'fp8' or compressed-tensors "
+                         "float8 weights, per-tensor or per-channel scales), AWQ (GEMM) or GPTQ")
     return "fp8"
+
+
+def check_quantization_agrees(quantization: Optional[str], found: Optional[str],
+                              load_format: str) -> None:
+    """An explicit `quantization` must fit the checkpoint: its own method (or None) for a
+    quantized one; None, fp8 or int8 (quantized at start) for a 16-bit one. AWQ / GPTQ over
+    dummy weights (benchmarks) need no checkpoint: 4-bit codes are generated."""
+    if quantization is None or quantization == found:
+        return
+    if found is None:
+        if quantization in ("fp8", "int8") or load_format == "dummy":
+            return
+        raise ValueError(f"quantization={quantization!r} is invalid: the checkpoint has no "
+                         "quantization_config (16-bit weights), so it must be None, 'fp8' or "
+                         "'int8' (scripts/quantize.py writes AWQ / GPTQ checkpoints)")
+    raise ValueError(f"quantization={quantization!r} is invalid: must be None or {found!r}, "
+                     "as the checkpoint's quantization_config says")
 
 
 def prepare_fp8_checkpoint(model: nn.Module) -> None:

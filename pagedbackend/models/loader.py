@@ -14,6 +14,9 @@ import torch
 from torch import nn
 
 from pagedbackend.layers.norm import RMSNorm
+from pagedbackend.layers.quant_formats import METHODS, GroupQuantSpec
+from pagedbackend.layers.quant_grouped import (fill_dummy_grouped, finalize_grouped,
+                                               prepare_grouped)
 from pagedbackend.layers.quantization import (checkpoint_quantization, prepare_fp8_checkpoint,
                                               quantize_model_fp8)
 from pagedbackend.models import gguf as gguf_io
@@ -73,14 +76,21 @@ def _iter_safetensors(model_dir: str) -> Iterator[tuple[str, Any]]:
 def load_weights(model: nn.Module, model_dir: str, load_format: str = "auto", seed: int = 0,
                  quantization: Optional[str] = None, hf_config: Optional[dict] = None) -> None:
     """Load every parameter of `model` (built by build_model) from `model_dir`, then quantize
-    its weights to fp8 if `quantization` asks for it. An FP8 checkpoint (hf_config's
-    quantization_config) is read as it is, whatever `quantization` says; dummy weights for an
-    FP8 model's config.json are generated in 16 bits and quantized.
+    its weights to fp8 / int8 if `quantization` asks for it. An FP8, AWQ or GPTQ checkpoint
+    (hf_config's quantization_config) is read as it is (load_model_files checked that
+    `quantization` agrees); dummy weights for an FP8 model's config.json are generated in 16
+    bits and quantized, for an AWQ / GPTQ one (or quantization="awq" / "gptq" over any
+    config.json: 4 bits, groups of 128) as random codes.
 
     Raises ValueError naming the parameters the checkpoint did not provide."""
     fmt = resolve_load_format(model_dir, load_format)
-    fp8_checkpoint = hf_config is not None \
-        and checkpoint_quantization(hf_config, model_dir) == "fp8"
+    found = checkpoint_quantization(hf_config, model_dir) if hf_config is not None else None
+    if found in METHODS or quantization in METHODS:
+        spec = GroupQuantSpec.from_config(hf_config["quantization_config"]) if found in METHODS \
+            else GroupQuantSpec(quantization, 4, 128)
+        _load_grouped(model, model_dir, fmt, spec, seed)
+        return
+    fp8_checkpoint = found == "fp8"
     if fp8_checkpoint and fmt != "dummy":
         prepare_fp8_checkpoint(model)
         _load_checkpoint(model, model_dir, fmt)
@@ -94,6 +104,23 @@ def load_weights(model: nn.Module, model_dir: str, load_format: str = "auto", se
         layers = quantize_model_fp8(model)
         logger.info("quantization fp8: %d linear layers in float8 e4m3 (per-channel scales)",
                     layers)
+    elif quantization == "int8":
+        layers = quantize_model_fp8(model, torch.int8)
+        logger.info("quantization int8: %d linear layers in int8 (per-channel scales)", layers)
+
+
+def _load_grouped(model: nn.Module, model_dir: str, fmt: str, spec: GroupQuantSpec,
+                  seed: int) -> None:
+    """An AWQ / GPTQ checkpoint: staging parameters named as its tensors, filled, repacked."""
+    prepare_grouped(model, spec)
+    if fmt == "dummy":
+        init_dummy_weights(model, seed)
+        fill_dummy_grouped(model, seed)
+    else:
+        _load_checkpoint(model, model_dir, fmt)
+    layers = finalize_grouped(model)
+    logger.info("quantization %s: %d linear layers in %d bits, groups of %d%s", spec.method,
+                layers, spec.bits, spec.group_size, " (act order)" if spec.desc_act else "")
 
 
 def _load_checkpoint(model: nn.Module, model_dir: str, fmt: str) -> None:
@@ -130,6 +157,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for p in model.parameters():
+            if not p.is_floating_point():       # AWQ / GPTQ codes: fill_dummy_grouped
+                continue
             if id(p) in norm_weights:
                 p.fill_(1.0)
                 continue

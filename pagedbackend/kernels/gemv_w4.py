@@ -1,0 +1,185 @@
+"""Matmuls on AWQ / GPTQ weights in the layout quant_grouped.PackedWeight repacks them into at
+load (uint8 [N, K * bits / 8] codes, low nibble first; scales and zeros [G, N]), so one kernel
+serves both formats.
+
+Decode steps of 1-8 rows: a skinny W4A16 (or W8A16) matmul. Each program owns BLOCK_N output
+rows over the whole K and reads each weight byte once: a tile of BLOCK_K codes per row lies
+inside one group (BLOCK_K divides the group size), so its scale and zero are one load per row,
+the codes are unpacked and dequantized in registers ((q - z) * s in fp32, exact) and multiplied
+by the 16-bit input, broadcast products at one row, tensor-core dots (input tile padded to 16
+rows) at more. The tile is timed on the device per shape at first use (the GEMV tuner's
+timer), as gemv_tuning does for the 16-bit kernel.
+Wider steps dequantize the weight into a 16-bit buffer (one kernel, each byte read once) and
+run cuBLAS on it: at hundreds of rows the matmul is compute-bound and the dequantization's
+extra traffic (2.5 bytes per weight) is a small part of it.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from pagedbackend.kernels.common import dot_precision, mma
+
+logger = logging.getLogger("pagedbackend")
+
+MAX_ROWS = 8
+# (BLOCK_N, BLOCK_K, num_warps, num_stages[, dot]); BLOCK_K is capped at the group size
+CANDIDATES = ((64, 128, 4, 4), (32, 128, 4, 4), (128, 64, 4, 4), (16, 128, 2, 4),
+              (64, 64, 4, 6), (128, 128, 8, 3))
+DOT_CANDIDATES = ((64, 128, 4, 4, True), (32, 128, 4, 4, True), (128, 64, 4, 4, True))
+# (device, rows bucket, N, K, dtype, bits, group) -> the tile, or None: dequantize + cuBLAS
+_CHOICE: dict[tuple, tuple | None] = {}
+
+
+@triton.jit
+def _codes_tile(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP: tl.constexpr, BITS: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] fp32 weights at input columns k0.. (one group): (q - z) * s."""
+    PER: tl.constexpr = 8 // BITS
+    kb = k0 // PER + tl.arange(0, BLOCK_K // PER)
+    b = tl.load(q_rows + kb[None, :], mask=n_ok[:, None], other=0,
+                eviction_policy="evict_first")
+    if BITS == 4:      # byte j holds codes 2j (low nibble) and 2j + 1
+        codes = tl.join(b & 0xF, b >> 4).reshape(BLOCK_N, BLOCK_K)
+    else:
+        codes = b
+    g = k0 // GROUP
+    s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * N + n, mask=n_ok, other=0).to(tl.int32)
+    return (codes.to(tl.int32) - z[:, None]).to(tl.float32) * s[:, None]
+
+
+@triton.jit
+def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                        GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_ok = (m < M)[:, None]
+    q_rows = q_ptr + n.to(tl.int64)[:, None] * (K * BITS // 8)
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    if USE_DOT:
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif BLOCK_M == 1:
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = _codes_tile(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N, BLOCK_K)
+        x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_ok, other=0.0)
+        if USE_DOT:
+            acc2 += mma(x, tl.trans(w.to(x.dtype)), PRECISION)
+        elif BLOCK_M == 1:
+            acc1 += x.to(tl.float32) * w
+        else:
+            acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
+    if USE_DOT:
+        y = acc2
+    elif BLOCK_M == 1:
+        y = tl.sum(acc1, axis=1)[None, :]
+    else:
+        y = tl.sum(acc3, axis=2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=m_ok & n_ok[None, :])
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, BITS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    k0 = tl.program_id(1) * BLOCK_K
+    q_rows = q_ptr + n.to(tl.int64)[:, None] * (K * BITS // 8)
+    w = _codes_tile(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N, BLOCK_K)
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=n_ok[:, None])
+
+
+def _block_k(want: int, group: int) -> int:
+    """The largest power of two <= want dividing the group size (a tile stays in one group)."""
+    b = 1
+    while b * 2 <= want and group % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def dequantize_packed(pw, dtype: torch.dtype) -> torch.Tensor:
+    """PackedWeight (even groups) -> W [N, K] in dtype: (q - z) * s, rounded once."""
+    n, k = pw.shape
+    w = torch.empty((n, k), dtype=dtype, device=pw.qweight.device)
+    block_n, block_k = 32, _block_k(128, pw.group_size)
+    _dequant_kernel[(triton.cdiv(n, block_n), k // block_k)](
+        pw.qweight, pw.scales, pw.zeros, w, n, k, GROUP=pw.group_size, BITS=pw.bits,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return w
+
+
+def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS, rows contiguous) @ W.T (+ bias) -> [M, N] in x's dtype, W the
+    PackedWeight (even groups), with one of CANDIDATES / DOT_CANDIDATES as the tile."""
+    m, k = x.shape
+    n = pw.shape[0]
+    block_n, block_k, warps, stages, *dot = config
+    use_dot = bool(dot and dot[0])
+    assert 1 <= m <= MAX_ROWS and x.stride(1) == 1 and k == pw.shape[1] and pw.g_idx is None
+    block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _packed_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, m, n, k,
+        x.stride(0), y.stride(0), GROUP=pw.group_size, BITS=pw.bits, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=_block_k(block_k, pw.group_size), HAS_BIAS=bias is not None,
+        USE_DOT=use_dot, PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages)
+    return y
+
+
+def packed_linear(x: torch.Tensor, pw, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias) on the GPU: the skinny kernel for 1-8 rows, else dequantize +
+    cuBLAS (and always for uneven groups: act order's row-parallel shards)."""
+    if pw.g_idx is not None or x.shape[0] > MAX_ROWS or x.shape[0] == 0:
+        return F.linear(x, pw.dequantize(x.dtype), bias)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    key = (x.device.index, triton.next_power_of_2(x.shape[0]), *pw.shape, x.dtype, pw.bits,
+           pw.group_size)
+    if key not in _CHOICE:
+        if torch.cuda.is_current_stream_capturing():     # tuned in the eager warm-up first
+            return packed_gemv(x, pw, bias, CANDIDATES[0])
+        _CHOICE[key] = _tune(x, pw, bias)
+    cfg = _CHOICE[key]
+    if cfg is None:
+        return F.linear(x, pw.dequantize(x.dtype), bias)
+    return packed_gemv(x, pw, bias, cfg)
+
+
+def _tune(x: torch.Tensor, pw, bias) -> tuple | None:
+    """The fastest tile that agrees with dequantize + matmul and beats it, timed as
+    gemv_tuning times; None: dequantize + cuBLAS."""
+    from pagedbackend.kernels.gemv_tuning import _pattern, _time_us
+    rows = triton.next_power_of_2(x.shape[0])
+    xs = _pattern(rows, pw.shape[1], 0.0, x.dtype, x.device)
+    ref = F.linear(xs, pw.dequantize(x.dtype), bias).float()
+    base = _time_us(lambda: F.linear(xs, pw.dequantize(x.dtype), bias))
+    best, best_us = None, base
+    for cfg in CANDIDATES + (DOT_CANDIDATES if rows > 1 else ()):
+        try:
+            ok = torch.allclose(packed_gemv(xs, pw, bias, cfg).float(), ref, rtol=2e-2, atol=2e-2)
+            us = _time_us(lambda cfg=cfg: packed_gemv(xs, pw, bias, cfg)) if ok else float("inf")
+        except Exception as e:      # noqa: BLE001
+            logger.warning("W%dA16 GEMV %s at %dx%dx%d failed: %s", pw.bits, cfg, rows,
+                           *pw.shape, e)
+            continue
+        if us < best_us:
+            best, best_us = cfg, us
+    logger.info("W%dA16 GEMV rows<=%d N=%d K=%d group %d: dequantize + cuBLAS %.1f us, %s",
+                pw.bits, rows, *pw.shape, pw.group_size, base,
+                f"triton {best} {best_us:.1f} us (chosen)" if best else "kept")
+    return best

@@ -1,0 +1,104 @@
+"""The AWQ / GPTQ kernels (kernels/gemv_w4.py) against the plain-torch dequantization of the same
+PackedWeight: the skinny W4A16 / W8A16 matmul for 1-8 rows and the dequantize kernel. Without
+CUDA they run under TRITON_INTERPRET=1 at tiny shapes."""
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    # Must precede the kernels' import: triton picks interpret-vs-compile when it decorates.
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "pagedbackend.kernels.common" in sys.modules \
+            and not sys.modules["pagedbackend.kernels.common"].INTERPRET:
+        for name in [m for m in sys.modules if m.startswith("pagedbackend.kernels")]:
+            del sys.modules[name]
+pytest.importorskip("triton")
+
+gemv_w4 = importlib.import_module("pagedbackend.kernels.gemv_w4")
+from pagedbackend.layers.quant_grouped import PackedWeight  # noqa: E402
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+
+
+def packed_weight(n: int, k: int, bits: int, group: int) -> PackedWeight:
+    codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, device=DEV)
+    packed = codes if bits == 8 else codes[:, 0::2] | (codes[:, 1::2] << 4)
+    g = k // group
+    scales = (torch.rand(g, n, device=DEV) * 0.02 + 0.005).half()
+    zeros = torch.randint(0, 1 << bits, (g, n), dtype=torch.uint8, device=DEV)
+    return PackedWeight(bits, group, packed.contiguous(), scales, zeros, None, None)
+
+
+def torch_dequantize(pw: PackedWeight) -> torch.Tensor:
+    """PackedWeight.dequantize's torch path (float32), whatever the device."""
+    g = torch.arange(pw.shape[1], device=DEV) // pw.group_size
+    return (pw.codes().int() - pw.zeros.t()[:, g].int()).float() * pw.scales.t()[:, g].float()
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, 64)])
+def test_dequantize_kernel_is_the_reference_to_the_bit(bits, group):
+    n, k = (4096, 4096) if CUDA else (40, 256)
+    pw = packed_weight(n, k, bits, group)
+    want = torch_dequantize(pw)
+    assert torch.equal(gemv_w4.dequantize_packed(pw, torch.float32), want)
+    got = gemv_w4.dequantize_packed(pw, torch.bfloat16).float()
+    # the interpreter truncates fp32 -> bf16 where the GPU rounds: one bf16 ulp at most
+    assert ((got - want).abs() <= want.abs() * 2 ** -7).all()
+
+
+@pytest.mark.parametrize("cfg", [gemv_w4.CANDIDATES[0], (16, 64, 2, 4),
+                                 gemv_w4.DOT_CANDIDATES[0]], ids=["fma", "fma-small", "dot"])
+@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_gemv_matches_dequantize_then_matmul(cfg, bits, group, dtype):
+    n, k = (6144, 4096) if CUDA else (72, 256)      # N not a multiple of every BLOCK_N
+    pw = packed_weight(n, k, bits, group)
+    w = torch_dequantize(pw)
+    tol = 1e-5 if dtype == torch.float32 and len(cfg) == 4 else 1e-2
+    for m in (1, 5):
+        x = torch.randn(m, k, device=DEV).to(dtype)
+        b = torch.randn(n, device=DEV).to(dtype) if m == 5 else None
+        y = gemv_w4.packed_gemv(x, pw, b, cfg)
+        assert y.shape == (m, n) and y.dtype == dtype
+        ref = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
+        assert rel_err(y, ref) < tol, m
+
+
+def test_block_k_stays_inside_a_group():
+    assert gemv_w4._block_k(128, 128) == 128 and gemv_w4._block_k(128, 64) == 64
+    assert gemv_w4._block_k(128, 48) == 16 and gemv_w4._block_k(64, 256) == 64
+
+
+@pytest.mark.skipif(not CUDA, reason="the tile is timed on the device")
+def test_packed_linear_tunes_and_agrees_at_every_width():
+    """The layer's GPU path: a tuned tile (or dequantize + cuBLAS where none beats it) for 1-8
+    rows, dequantize + cuBLAS above; all within a bf16 matmul's rounding of the reference."""
+    pw = packed_weight(4096, 4096, 4, 128)
+    w = torch_dequantize(pw)
+    for m in (1, 2, 8, 64):
+        x = torch.randn(m, 4096, device=DEV).bfloat16()
+        y = gemv_w4.packed_linear(x, pw, None)
+        assert rel_err(y, x.float() @ w.t()) < 1e-2, m
+
+
+@pytest.mark.parametrize("cfg", [(16, 512, 4, 3), (32, 256, 4, 4, True)], ids=["fma", "dot"])
+def test_skinny_linear_reads_int8_weights(cfg):
+    """quantization="int8": the 16-bit skinny kernel reads int8 weights as it reads e4m3 ones
+    (the per-channel scale multiplies the finished products)."""
+    from pagedbackend.kernels.gemv import skinny_linear
+    from pagedbackend.layers.quantization import dequantize, quantize_weight_int8
+    n, k = (6144, 4096) if CUDA else (48, 200)
+    wq, s = quantize_weight_int8(torch.randn(n, k, device=DEV) / k ** 0.5)
+    w = dequantize(wq, s, torch.float32)
+    for m in (1, 3):
+        x = torch.randn(m, k, device=DEV).bfloat16()
+        y = skinny_linear(x, wq, None, cfg, weight_scale=s)
+        assert y.dtype == torch.bfloat16 and rel_err(y, x.float() @ w.t()) < 1e-2, m
