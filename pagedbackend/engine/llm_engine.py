@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from pagedbackend.config import EngineConfig, check
 from pagedbackend.core.kv_cache_manager import KVCacheManager
@@ -75,6 +75,7 @@ class EngineStats:
     prefix_cache_hits: int
     num_kv_blocks: int
     num_used_blocks: int
+    spec_decode: Optional[Any] = None   # a SpecDecodeStats snapshot, when speculating
 
 
 class LLMEngine:
@@ -326,7 +327,8 @@ class LLMEngine:
             kv_cache_usage=self.kv.usage(), num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits, num_kv_blocks=self.kv.num_blocks,
-            num_used_blocks=self.kv.pool.num_used_blocks)
+            num_used_blocks=self.kv.pool.num_used_blocks,
+            spec_decode=self.drafter.snapshot() if self.drafter is not None else None)
 
     def check_invariants(self) -> dict[str, int]:
         return self.kv.check_invariants(idle=not self.scheduler.has_unfinished())

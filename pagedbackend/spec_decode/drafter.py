@@ -83,6 +83,12 @@ class Drafter:
             else:
                 req.spec_token_ids = [0] * k
 
+    def snapshot(self) -> SpecDecodeStats:
+        """A copy of the counters (the metrics thread reads it later)."""
+        st = self.stats
+        return SpecDecodeStats(st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens,
+                               list(st.accepted_per_pos))
+
     def clear(self, running: list[Request]) -> None:
         for req in running:
             req.spec_token_ids = []
