@@ -45,8 +45,24 @@ class DraftRunner:
                                   files.info.dtype)
         self.runner.allocate_kv_cache(target.num_kv_blocks)
         self.block_size = engine_config.block_size
+        if self.runner.device.type == "cuda":
+            self._capture(engine_config, engine.info.max_model_len)
         self.scheduler = engine.scheduler
         self.valid: dict[str, tuple[int, int]] = {}   # id -> (valid, num_preemptions)
+
+    def _capture(self, engine_config: Any, max_model_len: int) -> None:
+        """CUDA graphs for the draft's one-token steps (k - 1 of them per proposal), and its
+        kernels compiled now rather than during the first request."""
+        from pagedbackend.kernels.common import COMPILES
+        from pagedbackend.worker.cuda_graph import DecodeGraphs
+        r = self.runner
+        COMPILES.disarm()
+        if not engine_config.enforce_eager:
+            r.graphs = DecodeGraphs(r.model, r.kv_caches, r.device, engine_config.max_num_seqs,
+                                    max_model_len, self.block_size)
+            r.graphs.capture()
+        r.warmup(max_model_len)
+        COMPILES.arm()
 
     def _valid(self, req: Any) -> int:
         v, preempted = self.valid.get(req.request_id, (0, req.num_preemptions))
@@ -101,7 +117,7 @@ class DraftRunner:
         h = HostInputs(np.asarray(tokens, np.int64), positions, q, st, table,
                        list(range(len(rows))), bs, ph_dst, ph_src)
         self.runner.prev_sampled = prev
-        logits = self.runner.forward_logits(h, graphs=False)
+        logits = self.runner.forward_logits(h, graphs=tokens is None or len(tokens) == len(rows))
         return logits.argmax(dim=-1)
 
     def verified(self, req: Any, num_accepted: int, start: int) -> None:
