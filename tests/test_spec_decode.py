@@ -59,9 +59,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_ngram_equals_no_speculation(ckpts, arch):
+def test_greedy_ngram_and_draft_model_equal_no_speculation(ckpts, arch):
     batch = repeating_prompts(1)
     _, ref = run(ckpts[arch], batch, GREEDY, num_kv_blocks=64)
+    # a draft of another architecture (the 1-layer llama) with the same vocabulary
+    draft = {"method": "draft_model", "model": ckpts["draft"], "num_speculative_tokens": 2}
+    _, got = run(ckpts[arch], batch, GREEDY, draft, num_kv_blocks=64)
+    assert got == ref
     llm, got = run(ckpts[arch], batch, GREEDY, NGRAM, num_kv_blocks=64)
     assert got == ref
     st = llm.engine.drafter.stats
@@ -141,31 +145,33 @@ def test_rows_that_opt_out_match_no_speculation(ckpts):
     assert llm.engine.drafter.stats.num_drafts > 0
 
 
-def test_abort_while_drafts_are_scheduled_frees_everything(ckpts):
+def test_abort_in_the_middle_of_a_verification_frees_everything(ckpts):
+    """b is aborted while a step verifying its drafts is on the device (between launch and
+    the step's ids landing, as an abort from the serving loop can): its result is dropped,
+    its blocks (draft slots included) freed, the others unchanged."""
     eng = LLMEngine(EngineConfig(model=ckpts["llama"], dtype="float32", block_size=4,
                                  num_kv_blocks=64, speculative_config=NGRAM))
     p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    for rid, prompt in (("a", [5, 6, 7] * 4), ("b", [9, 10] * 5), ("c", [11, 12, 13, 14] * 3)):
+    prompts = {"a": [5, 6, 7] * 4, "b": [9, 10] * 5, "c": [11, 12, 13, 14] * 3}
+    for rid, prompt in prompts.items():
         eng.add_request(rid, prompt, p)
-    seen = []
+    finish, aborted = eng.runner.finish, []
 
-    def abort_b(eng, steps):
-        b = eng.scheduler.requests.get("b")
-        if b is not None and b.spec_token_ids:
-            seen.append(len(b.spec_token_ids))
-            eng.abort("b")         # drafts verified, blocks (with draft slots) freed at once
+    def finish_after_abort(launched):
+        if launched.verified and not aborted and any(
+                r.request_id == "b" and r.spec_token_ids for r in launched.reqs):
+            eng.abort("b")
+            aborted.append(True)
             eng.check_invariants()
-        elif b is not None:
-            eng.drafter.propose(eng.scheduler.running)     # drafts pending for the next step
-            if eng.scheduler.requests["b"].spec_token_ids:
-                eng.abort("b")
-                seen.append(0)
-    deltas, finals = drain(eng, abort_b)
-    assert seen, "b should have been aborted with drafts"
+        return finish(launched)
+    eng.runner.finish = finish_after_abort
+    deltas, finals = drain(eng)
+    assert aborted, "b should have been aborted during a verification"
     assert finals["b"].outputs[0].finish_reason == "abort"
     ref = LLM(ckpts["llama"], dtype="float32", num_kv_blocks=64).generate(
-        [{"prompt_token_ids": [5, 6, 7] * 4}], p)[0].outputs[0].token_ids
-    assert finals["a"].outputs[0].token_ids == ref
+        [{"prompt_token_ids": prompts[r]} for r in ("a", "c")], p)
+    assert [finals[r].outputs[0].token_ids for r in ("a", "c")] == \
+        [o.outputs[0].token_ids for o in ref]
     for rid in deltas:
         assert deltas[rid] == finals[rid].outputs[0].token_ids
     no_leak(eng)

@@ -233,21 +233,27 @@ class Scheduler:
             tok: Optional[int] = sampled.get(req.request_id) if s.samples else None
             if tok is None:
                 continue
-            toks = [tok]
-            if s.spec_token_ids:
-                toks = accepted.get(req.request_id, []) + toks
-                self._reject_drafts(req, len(s.spec_token_ids) - len(toks) + 1)
             progressed.append(req)
-            for tok in toks:
+            if s.spec_token_ids:
+                status = self._append_verified(req, s, (accepted or {}).get(req.request_id, []),
+                                               tok)
+            else:
                 req.append_token(tok)
                 status = req.check_stop()
-                if status is not None:
-                    finished.extend(self.finish_requests([req.request_id], status))
-                    break
+            if status is not None:
+                finished.extend(self.finish_requests([req.request_id], status))
         return progressed, finished
 
-    def _reject_drafts(self, req: Request, num_rejected: int) -> None:
-        """The rejected drafts' K/V is not the request's: they count as not computed, and
-        blocks holding only them go back to the pool."""
-        req.num_computed_tokens -= num_rejected
+    def _append_verified(self, req: Request, s: ScheduledRequest, accepted: list[int],
+                         tok: int) -> Optional[RequestStatus]:
+        """A verification's accepted drafts, then its sampled token, up to a stop. The
+        rejected drafts' K/V is not the request's: they count as not computed, and blocks
+        holding only them go back to the pool."""
+        req.num_computed_tokens -= len(s.spec_token_ids) - len(accepted)
         self.kv.trim(req, req.num_computed_tokens)
+        for t in accepted + [tok]:
+            req.append_token(t)
+            status = req.check_stop()
+            if status is not None:
+                return status
+        return None
