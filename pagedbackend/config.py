@@ -56,6 +56,9 @@ class EngineConfig:
     async_scheduling: Optional[bool] = None
     max_n: int = 16                          # cap on SamplingParams.n
     distributed_backend: Optional[str] = None  # TP: nccl on cuda, gloo on cpu
+    # vLLM's speculative_config: a dict (or JSON text) of spec_decode.config.SpeculativeConfig
+    # fields, stored as that dataclass; None: no speculative decoding
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         check(isinstance(self.model, str) and self.model != "", "model", self.model,
@@ -99,6 +102,12 @@ class EngineConfig:
               "async_scheduling", self.async_scheduling, "true, false or None (auto)")
         check(not (self.async_scheduling and self.tensor_parallel_size > 1), "async_scheduling",
               self.async_scheduling, "off (false or None) with tensor_parallel_size > 1")
+        if self.speculative_config is not None:
+            from pagedbackend.spec_decode.config import SpeculativeConfig
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.make(self.speculative_config))
+            check(self.tensor_parallel_size == 1, "speculative_config", self.speculative_config,
+                  "None with tensor_parallel_size > 1 (not supported yet)")
 
     def resolved_kv_cache_dtype(self, model_dtype: str) -> str:
         """The KV cache's element type (a torch dtype's name): the model's, or float8_e4m3fn."""

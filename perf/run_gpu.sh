@@ -173,6 +173,10 @@ for s in $stages; do
     w2contig) run w2contig 240 python3 perf/w2_fixed.py --shapes 2048-128 --ab pagedkv ;;
     # TTFT of 2k/8k/16k-token prompts alone, with the step's K/V read from k / v and gathered
     ttftlong) run ttftlong 240 python3 perf/ttft_long.py --ab pagedkv ;;
+    # speculative decoding against none in one process (perf/spec_decode.py): batch 1 n-gram
+    # ceiling on a repeating prompt, drafts all rejected (overhead, k = 5 and 1), batch 1-64,
+    # a draft model = the target; ~4-5 min
+    specdecode) run specdecode 540 python3 perf/spec_decode.py ;;
     # prefill-sized GEMMs whole and in 1,024/2,048/4,096-row pieces, through cuBLAS then
     # cuBLASLt, with the SM clock and power logged each second (is 8,192 rows slower by power?)
     gemmchunk) nvidia-smi dmon -s pc -d 1 > "$out/gemmchunk-dmon.log" 2>&1 & dmon=$!

@@ -104,6 +104,15 @@ class KVCacheManager:
                 self.num_cached_blocks[req.request_id] = full
         return new
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free the request's blocks past its first num_tokens tokens (rejected draft tokens'
+        slots); never a block registered in the prefix cache (only verified tokens are)."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = max(-(-num_tokens // self.block_size), self.num_cached_blocks.get(req.request_id, 0))
+        if blocks and len(blocks) > keep:
+            self.pool.free(reversed(blocks[keep:]))
+            del blocks[keep:]
+
     def free(self, req: Request) -> None:
         # Tail blocks first, so the least reusable (deepest) prefix blocks are evicted first.
         blocks = self.req_blocks.pop(req.request_id, [])

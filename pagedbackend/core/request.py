@@ -45,6 +45,9 @@ class Request:
         self.num_pending = 0
         # Its sampling reads all earlier tokens (penalties): never launched with one in flight.
         self.needs_all_tokens = False
+        # Draft tokens proposed for this step (speculative decoding); the scheduler may keep
+        # fewer, and the verification step appends the accepted ones.
+        self.spec_token_ids: list[int] = []
         # bad_words as token id sequences (the engine tokenizes them once)
         self.bad_words_token_ids: list[list[int]] = []
         # structured outputs: anything with accept(token_id), `done` and fill_bitmask(mask, row)
@@ -101,6 +104,13 @@ class Request:
         self._output_token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
+
+    def drop_last_tokens(self, n: int) -> None:
+        """Forget the newest n output tokens (a stop string ended before them); the request
+        is finishing."""
+        if n > 0:
+            del self.all_token_ids[-n:]
+            del self._output_token_ids[-n:]
 
     def check_stop(self) -> Optional[RequestStatus]:
         """Token-level stop rules, applied after each new token (stop strings live upstream)."""

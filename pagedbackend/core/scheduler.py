@@ -23,11 +23,15 @@ class ScheduledRequest:
     block_ids: list[int]
     start: int = 0          # request.num_computed_tokens when scheduled
     samples: bool = False   # this step reaches the end of the known tokens: sample a new one
+    # draft tokens verified in this step, after the known ones (speculative decoding)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, req: Request, n: int, block_ids: list[int]) -> "ScheduledRequest":
-        return cls(req, n, block_ids, req.num_computed_tokens,
-                   req.num_computed_tokens + n == req.num_tokens + req.num_pending)
+        known = req.num_tokens + req.num_pending
+        end = req.num_computed_tokens + n
+        spec = req.spec_token_ids[:end - known] if end > known else []
+        return cls(req, n, block_ids, req.num_computed_tokens, end >= known, spec)
 
 
 @dataclass
@@ -138,8 +142,12 @@ class Scheduler:
             if req.num_pending and req.will_finish_by_length:
                 i += 1                  # its in-flight token is its last
                 continue
-            n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
+            n_known = req.num_tokens + req.num_pending - req.num_computed_tokens
+            n = min(n_known + len(req.spec_token_ids), budget)
             while self.kv.allocate_slots(req, n) is None:
+                if n > n_known:         # drop the drafts before preempting anyone
+                    req.spec_token_ids, n = [], min(n_known, budget)
+                    continue
                 victim = self._pick_victim()
                 vi = self.running.index(victim)
                 self._preempt(victim)
@@ -192,6 +200,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -208,11 +217,13 @@ class Scheduler:
             if s.samples:
                 req.num_pending += 1
 
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, int]) -> tuple[list[Request], list[Request]]:
-        """Append a launched step's sampled tokens and apply token stop rules.
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           accepted: Optional[dict[str, list[int]]] = None
+                           ) -> tuple[list[Request], list[Request]]:
+        """Append a launched step's sampled tokens and apply token stop rules. accepted: the
+        draft tokens each verifying row accepted, which come before its sampled token.
 
-        Returns (requests that got a new token, requests that finished this step).
+        Returns (requests that got new tokens, requests that finished this step).
         """
         progressed, finished = [], []
         for s in out.scheduled:
@@ -222,9 +233,27 @@ class Scheduler:
             tok: Optional[int] = sampled.get(req.request_id) if s.samples else None
             if tok is None:
                 continue
-            req.append_token(tok)
             progressed.append(req)
-            status = req.check_stop()
+            if s.spec_token_ids:
+                status = self._append_verified(req, s, (accepted or {}).get(req.request_id, []),
+                                               tok)
+            else:
+                req.append_token(tok)
+                status = req.check_stop()
             if status is not None:
                 finished.extend(self.finish_requests([req.request_id], status))
         return progressed, finished
+
+    def _append_verified(self, req: Request, s: ScheduledRequest, accepted: list[int],
+                         tok: int) -> Optional[RequestStatus]:
+        """A verification's accepted drafts, then its sampled token, up to a stop. The
+        rejected drafts' K/V is not the request's: they count as not computed, and blocks
+        holding only them go back to the pool."""
+        req.num_computed_tokens -= len(s.spec_token_ids) - len(accepted)
+        self.kv.trim(req, req.num_computed_tokens)
+        for t in accepted + [tok]:
+            req.append_token(t)
+            status = req.check_stop()
+            if status is not None:
+                return status
+        return None

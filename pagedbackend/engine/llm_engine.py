@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from pagedbackend.config import EngineConfig, check
 from pagedbackend.core.kv_cache_manager import KVCacheManager
@@ -75,6 +75,7 @@ class EngineStats:
     prefix_cache_hits: int
     num_kv_blocks: int
     num_used_blocks: int
+    spec_decode: Optional[Any] = None   # a SpecDecodeStats snapshot, when speculating
 
 
 class LLMEngine:
@@ -111,6 +112,10 @@ class LLMEngine:
             self.async_scheduling = (str(info.device).startswith("cuda")
                                      and config.tensor_parallel_size == 1)
         self._inflight = None       # (SchedulerOutput, Launched) of the step on the device
+        self.drafter = None         # speculative decoding (spec_decode/drafter.py)
+        if config.speculative_config is not None:
+            from pagedbackend.spec_decode.drafter import make_drafter
+            self.drafter = make_drafter(config, self)
         self.last_step_tokens = 0   # tokens the last step() scheduled (metrics)
 
     def timing_summary(self, reset: bool = False) -> dict:
@@ -253,10 +258,15 @@ class LLMEngine:
         later; a request that stops on a sampled token (EOS, stop string) has one extra token
         computed and dropped."""
         t0 = time.perf_counter()
+        if self.drafter is not None:
+            self._propose()
         sched = self.scheduler.schedule(time.monotonic())
         self.last_step_tokens = sched.num_scheduled_tokens
         t1 = time.perf_counter()
         prev, self._inflight = self._inflight, None
+        verifies = self.drafter is not None and any(s.spec_token_ids for s in sched.scheduled)
+        if verifies and self.drafter.draft_runner is not None:
+            self.drafter.fill(sched)         # the draft model's proposals, into these slots
         if prev is not None and (sched.is_empty or any(s.request.needs_all_tokens
                                                        for s in sched.scheduled)):
             # Nothing to overlap with, or a row whose sampling reads every earlier token
@@ -267,7 +277,7 @@ class LLMEngine:
             return self.outputs.collect()
         launched = self.runner.launch(sched)
         self.scheduler.on_launched(sched)
-        if self.async_scheduling:
+        if self.async_scheduling and not verifies:
             self._inflight = (sched, launched)
         else:
             prev = (sched, launched)
@@ -277,6 +287,19 @@ class LLMEngine:
         outputs = self.outputs.collect()
         self.timing.add(t0, t1, t2, time.perf_counter(), sched.num_scheduled_tokens)
         return outputs
+
+    def _propose(self) -> None:
+        """Drafts for this step's decodes. A draft continues the request's latest token, so a
+        step in flight lands first: steps that verify drafts run without async scheduling
+        (their ids are needed before the next proposal anyway)."""
+        sch = self.scheduler
+        if not self.drafter.active(sch.num_running + sch.num_waiting):
+            self.drafter.clear(sch.running)
+            return
+        if self._inflight is not None:
+            self._land(*self._inflight)
+            self._inflight = None
+        self.drafter.propose(sch.running)
 
     def _land(self, sched, launched) -> None:
         """Take a launched step's sampled ids into the requests and their outputs."""
@@ -288,7 +311,10 @@ class LLMEngine:
                 # entries for prompt tokens first, first + 1, ...; a recomputed (preempted)
                 # prefix repeats ones already kept
                 got.extend(entries[max(0, len(got) - first):])
-        progressed, finished = self.scheduler.update_from_output(sched, result.sampled)
+        if self.drafter is not None:
+            self.drafter.record(sched, result.accepted)
+        progressed, finished = self.scheduler.update_from_output(sched, result.sampled,
+                                                                 result.accepted)
         stopped = self.outputs.on_tokens(progressed, result.logprobs, time.monotonic())
         if stopped:
             finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -301,7 +327,8 @@ class LLMEngine:
             kv_cache_usage=self.kv.usage(), num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits, num_kv_blocks=self.kv.num_blocks,
-            num_used_blocks=self.kv.pool.num_used_blocks)
+            num_used_blocks=self.kv.pool.num_used_blocks,
+            spec_decode=self.drafter.snapshot() if self.drafter is not None else None)
 
     def check_invariants(self) -> dict[str, int]:
         return self.kv.check_invariants(idle=not self.scheduler.has_unfinished())

@@ -22,6 +22,7 @@ class _Seq:
     text: str = ""
     emitted_chars: int = 0
     emitted_tokens: int = 0
+    num_decoded: int = 0        # output tokens already in text
     logprobs: Optional[list] = None
     cumulative_logprob: Optional[float] = None
     finish_reason: Optional[str] = None
@@ -82,7 +83,8 @@ class OutputProcessor:
 
     def on_tokens(self, progressed: list[Request], logprobs: dict[str, Any],
                   now: float) -> list[str]:
-        """Record each request's new token; returns ids of children that hit a stop string."""
+        """Record each request's new tokens (several after a speculative step); returns ids of
+        children that hit a stop string (their tokens after it are dropped)."""
         stopped = []
         for req in progressed:
             g, s = self.seq_of[req.request_id]
@@ -96,12 +98,17 @@ class OutputProcessor:
             if not g.build_text:
                 continue
             ids = req.all_token_ids
-            delta = decode_delta(self.tokenizer, context_for(self.tokenizer, ids, len(ids) - 1), ids[-1:],
-                                 g.params.skip_special_tokens)
-            s.text += delta
-            if delta and g.params.stop and req.num_output_tokens >= g.params.min_tokens:
-                if self._apply_stop_strings(g, s, len(delta)):
+            end = len(ids)
+            for i in range(end - (req.num_output_tokens - s.num_decoded), end):
+                s.num_decoded += 1
+                delta = decode_delta(self.tokenizer, context_for(self.tokenizer, ids, i),
+                                     ids[i:i + 1], g.params.skip_special_tokens)
+                s.text += delta
+                if delta and g.params.stop and s.num_decoded >= g.params.min_tokens \
+                        and self._apply_stop_strings(g, s, len(delta)):
+                    req.drop_last_tokens(end - i - 1)
                     stopped.append(req.request_id)
+                    break
         return stopped
 
     def _apply_stop_strings(self, g: _Group, s: _Seq, delta_len: int) -> bool:

@@ -100,9 +100,11 @@ def cache_config_labels(engine: Any) -> dict[str, str]:
 
 class ServingMetrics:
     def __init__(self, families: Any, model_name: str, log: Callable[[str], None] = print,
-                 min_pass_s: float = 0.1, cache_config: Optional[dict] = None):
+                 min_pass_s: float = 0.1, cache_config: Optional[dict] = None,
+                 num_speculative_tokens: Optional[int] = None):
         """cache_config: labels of vLLM's vllm:cache_config_info gauge (value 1), e.g.
-        cache_config_labels(engine); none published without it."""
+        cache_config_labels(engine); none published without it. num_speculative_tokens: the
+        engine speculates (spec_metrics.py's counters, from EngineStats.spec_decode)."""
         mf, labels = families.MetricFamily, {"model_name": model_name}
         self._log = log
         self._families = []
@@ -165,6 +167,10 @@ class ServingMetrics:
             self.cache_config = family("vllm:cache_config_info", "Information of the KV cache.",
                                        mf.GAUGE).Metric(labels={**labels, **cache_config})
             self.cache_config.set(1)
+        self.spec = None
+        if num_speculative_tokens:
+            from pagedbackend.serving.spec_metrics import SpecDecodeMetrics
+            self.spec = SpecDecodeMetrics(counter, num_speculative_tokens)
         self._totals = {"preemptions": 0.0, "prefix_queries": 0.0, "prefix_hits": 0.0}
         self._min_pass_s = min_pass_s
         self._last_pass = 0.0
@@ -269,3 +275,5 @@ class ServingMetrics:
             if value is not None and value > self._totals[key]:
                 ctr.increment(value - self._totals[key])
                 self._totals[key] = value
+        if self.spec is not None and getattr(stats, "spec_decode", None) is not None:
+            self.spec.apply(stats.spec_decode)

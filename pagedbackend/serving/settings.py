@@ -41,6 +41,12 @@ def engine_config(params: Mapping[str, str], root: Path) -> EngineConfig:
     kwargs["model"] = resolve_path(kwargs["model"], root)
     if kwargs.get("tokenizer"):
         kwargs["tokenizer"] = resolve_path(kwargs["tokenizer"], root)
+    if "speculative_config" in kwargs:       # JSON; a draft model's path as `model`'s
+        from pagedbackend.spec_decode.config import SpeculativeConfig
+        spec = SpeculativeConfig.make(kwargs["speculative_config"])
+        if spec.model:
+            spec = dataclasses.replace(spec, model=resolve_path(spec.model, root))
+        kwargs["speculative_config"] = spec
     return EngineConfig(**kwargs)
 
 

@@ -37,6 +37,8 @@ class RunnerResult:
     logprobs: dict[str, tuple[float, dict[int, float]]] = field(default_factory=dict)
     # request id -> (prompt index of the first entry, prompt logprob entries)
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
+    # request id -> the draft tokens it accepted (before its sampled token)
+    accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Launched:
     start: Any = None                   # CUDA timing event before the step's first upload
     logprobs: Any = None
     prompt_logprobs: Any = None         # PromptLogprobs, on the device
+    verified: bool = False              # ids is [R, 1 + k]: each row's tokens, -1 padded
 
 
 def make_attn_backend(device: torch.device):
@@ -196,7 +199,7 @@ class ModelRunner:
     def _upload_step(self, h: HostInputs) -> list[torch.Tensor]:
         """[tokens, positions, slots, cu, seq_lens, table, logits_idx] on the device (int64),
         with the ids of in-flight tokens filled in from the previous launch's samples."""
-        logits_idx = h.cu[1:][h.sample_rows] - 1
+        logits_idx = h.logits_idx
         *arrays, ph_dst, ph_src = upload([h.tokens, h.positions, h.slots, h.cu, h.seq_lens,
                                           h.table, logits_idx, h.ph_dst, h.ph_src], self.device)
         if len(h.ph_dst):
@@ -222,7 +225,7 @@ class ModelRunner:
         sampling)."""
         # the graphs compute only the sampling rows' logits, not prompt logprobs (a one-token
         # chunk of a prompt can make a step of single tokens)
-        graphs = graphs and not len(h.plp_idx)
+        graphs = graphs and not len(h.plp_idx) and not h.num_drafts
         if graphs and self.graphs is not None and h.decode_only \
                 and self.graphs.bucket(len(h.tokens)):
             self.path_steps["decode_graph"] += 1
@@ -278,6 +281,10 @@ class ModelRunner:
         if logits is None:
             self.prev_sampled, self.prev_rows = None, {}
             return Launched([], start=start, prompt_logprobs=plp)
+        if h.num_drafts:
+            from pagedbackend.spec_decode.verify import launch_verification
+            self.prev_sampled, self.prev_rows = None, {}     # verification steps land at once
+            return launch_verification(self, sched, h, logits, start, plp)
         reqs = [sched.scheduled[i].request for i in h.sample_rows]
         smeta = SamplingMetadata.build(
             params=[r.sampling_params for r in reqs],
@@ -315,7 +322,11 @@ class ModelRunner:
         if launched.start is not None:
             self.gpu_busy_s += launched.start.elapsed_time(launched.done) / 1e3
         reqs = launched.reqs
-        result = RunnerResult({r.request_id: t for r, t in zip(reqs, ids)})
+        accepted = {}
+        if launched.verified:
+            from pagedbackend.spec_decode.verify import split_rows
+            ids, accepted = split_rows(reqs, ids)
+        result = RunnerResult({r.request_id: t for r, t in zip(reqs, ids)}, accepted=accepted)
         if launched.prompt_logprobs is not None:
             result.prompt_logprobs = launched.prompt_logprobs.tolists()
         if launched.logprobs is not None:

@@ -25,10 +25,19 @@ class HostInputs:
     that row's first target."""
 
     def __init__(self, tokens, positions, q_lens, starts, table, sample_rows, block_size,
-                 ph_dst=None, ph_src=None, plp=None):
+                 ph_dst=None, ph_src=None, plp=None, num_drafts=None):
         self.tokens, self.positions, self.q_lens, self.table = tokens, positions, q_lens, table
         self.sample_rows = sample_rows
         self.cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        ends = self.cu[1:][sample_rows]
+        # the logits wanted: each sampling row's last token, and before it one per draft token
+        # it verifies (num_drafts[row], speculative decoding)
+        self.num_drafts = 0 if num_drafts is None else int(num_drafts.sum())
+        if self.num_drafts:
+            ks = num_drafts[sample_rows]
+            self.logits_idx = np.concatenate([np.arange(e - 1 - k, e) for e, k in zip(ends, ks)])
+        else:
+            self.logits_idx = ends - 1
         self.seq_lens = (starts + q_lens).astype(np.int32)
         row_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
         self.slots = (table[row_of_token, positions // block_size].astype(np.int64) * block_size
@@ -57,10 +66,18 @@ def host_inputs(rows: list, block_size: int, prev_rows: dict[str, int]) -> HostI
     starts = np.fromiter((s.start for s in rows), np.int64, len(rows))
     tokens: list[int] = []
     ph_dst, ph_src = [], []
-    for s in rows:
+    num_drafts = None
+    for i, s in enumerate(rows):
         ids = s.request.all_token_ids
         end = s.start + s.num_new_tokens
-        if end > len(ids):
+        if s.spec_token_ids:
+            # verification: the known tokens, then the drafts (no sample in flight)
+            if num_drafts is None:
+                num_drafts = np.zeros(len(rows), np.int64)
+            num_drafts[i] = len(s.spec_token_ids)
+            tokens.extend(ids[s.start:])
+            tokens.extend(s.spec_token_ids)
+        elif end > len(ids):
             # The last token was sampled by the step still in flight (async scheduling).
             tokens.extend(ids[s.start:])
             if end != len(ids) + 1 or s.request.request_id not in prev_rows:
@@ -80,7 +97,8 @@ def host_inputs(rows: list, block_size: int, prev_rows: dict[str, int]) -> HostI
     sample_rows = [i for i, s in enumerate(rows) if s.samples]
     return HostInputs(np.array(tokens, np.int64), positions, q_lens, starts, table,
                       sample_rows, block_size, np.array(ph_dst, np.int64),
-                      np.array(ph_src, np.int64), _prompt_logprob_positions(rows, cu))
+                      np.array(ph_src, np.int64), _prompt_logprob_positions(rows, cu),
+                      num_drafts)
 
 
 def _prompt_logprob_positions(rows: list, cu) -> tuple:

@@ -55,8 +55,10 @@ class TritonPythonModel:
         # Built before initialize() returns: Triton reports the model ready only after this.
         self.engine = LLMEngine(config)
         served = params.get("served_model_name") or Path(config.model).name
+        spec = config.speculative_config
         self.metrics = ServingMetrics(pb_utils, served, log=self.log.log_warn,
-                                      cache_config=cache_config_labels(self.engine))
+                                      cache_config=cache_config_labels(self.engine),
+                                      num_speculative_tokens=spec and spec.num_speculative_tokens)
         self.loop = EngineLoop(self.engine, self._send, self.metrics, log=self.log.log_error,
                                on_dead=self._unload_self, info=self.log.log_info,
                                **streaming).start()

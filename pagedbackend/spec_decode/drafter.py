@@ -1,0 +1,112 @@
+"""The engine's side of speculative decoding: which running requests get drafts this step, the
+drafts themselves (from a proposer), and vLLM's acceptance counters.
+
+A request speculates only while it decodes (its last token is the one to run) and when its
+sampling reads nothing that a draft would change: no penalties, grammar, multi-token bad words
+or prompt logprobs (Request.needs_all_tokens), no logprobs, min_tokens reached. The others run
+as without speculation, in the same steps."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pagedbackend.core.request import Request
+from pagedbackend.spec_decode.config import SpeculativeConfig
+from pagedbackend.spec_decode.ngram import NgramProposer
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec_decode counters (cumulative)."""
+    num_drafts: int = 0             # verification rows that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)   # by draft position
+
+    @property
+    def acceptance_rate(self) -> Optional[float]:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens \
+            else None
+
+
+def speculates(req: Request) -> bool:
+    """Whether drafts for this request can be verified exactly by verify.py."""
+    p = req.sampling_params
+    return (not req.needs_all_tokens and p.logprobs is None
+            and req.num_output_tokens >= p.min_tokens)
+
+
+def make_drafter(engine_config: Any, engine: Any) -> "Drafter":
+    config = engine_config.speculative_config
+    if config.method == "draft_model":
+        from pagedbackend.spec_decode.draft_model import DraftRunner
+        return Drafter(config, draft_runner=DraftRunner(engine_config, engine))
+    return Drafter(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+
+
+class Drafter:
+    """proposer: anything with propose(token_ids, k) -> drafts (n-gram), filled in before
+    scheduling; or draft_runner (a draft model), whose drafts are computed after scheduling,
+    into the verification step's own KV slots (fill)."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Any = None,
+                 draft_runner: Any = None):
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer = proposer
+        self.draft_runner = draft_runner
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+
+    def active(self, num_requests: int) -> bool:
+        """disable_by_batch_size: no drafts while this many requests are queued or running."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_requests < limit
+
+    def num_drafts(self, req: Request) -> int:
+        """How many drafts req can use this step (0: none): not past max_tokens or
+        max_model_len, and only for a decode with nothing in flight."""
+        if req.num_pending or req.num_computed_tokens != req.num_tokens - 1 \
+                or not speculates(req):
+            return 0
+        return max(0, min(self.k, req.max_tokens - req.num_output_tokens - 1,
+                          req.max_model_len - req.num_tokens))
+
+    def propose(self, running: list[Request]) -> None:
+        """Set each running request's spec_token_ids for the next schedule() (a draft model
+        reserves k slots with placeholders, filled in by fill())."""
+        for req in running:
+            k = self.num_drafts(req)
+            if not k:
+                req.spec_token_ids = []
+            elif self.proposer is not None:
+                req.spec_token_ids = self.proposer.propose(req.all_token_ids, k)
+            else:
+                req.spec_token_ids = [0] * k
+
+    def snapshot(self) -> SpecDecodeStats:
+        """A copy of the counters (the metrics thread reads it later)."""
+        st = self.stats
+        return SpecDecodeStats(st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens,
+                               list(st.accepted_per_pos))
+
+    def clear(self, running: list[Request]) -> None:
+        for req in running:
+            req.spec_token_ids = []
+
+    def fill(self, sched: Any) -> None:
+        self.draft_runner.propose(sched)
+
+    def record(self, sched: Any, accepted: dict[str, list[int]]) -> None:
+        """Count a verified step's drafts and accepted tokens (finished rows too)."""
+        st = self.stats
+        for s in sched.scheduled:
+            if not s.spec_token_ids:
+                continue
+            n = len(accepted.get(s.request.request_id, ()))
+            st.num_drafts += 1
+            st.num_draft_tokens += len(s.spec_token_ids)
+            st.num_accepted_tokens += n
+            for i in range(n):
+                st.accepted_per_pos[i] += 1
+            if self.draft_runner is not None:
+                self.draft_runner.verified(s.request, n, s.start)
