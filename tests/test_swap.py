@@ -193,6 +193,33 @@ def test_tp2_swaps_each_ranks_shard_and_matches_tp1(checkpoints):
         llm.engine.shutdown()
 
 
+def test_host_tier_metrics_are_published_in_vllm_names(checkpoints):
+    from test_serving_metrics import FakeFamilies
+
+    from pagedbackend.serving.metrics import ServingMetrics, cache_config_labels
+    llm = swap_llm(checkpoints["llama"], preemption_mode="swap")
+    generate(llm, prompts(6, count=8))
+    engine = llm.engine
+    fams = FakeFamilies()
+    labels = cache_config_labels(engine)
+    assert labels["swap_space"] == str(engine.config.swap_space)
+    assert labels["num_cpu_blocks"] == "64"
+    m = ServingMetrics(fams, "m", cache_config=labels)
+    m.apply_batch([("stats", engine.stats())])
+    st = engine.stats()
+    get = lambda name, **kw: fams.metrics[(name, tuple(sorted({"model_name": "m", **kw}.items())))]
+    assert get("vllm:swap_out_blocks_total").total == st.swap_out_blocks > 0
+    assert get("vllm:swap_in_blocks_total").total == st.swap_in_blocks > 0
+    assert get("vllm:num_preemptions_by_mode_total", preemption_mode="swap").total \
+        == st.preemptions_swap > 0
+    assert get("vllm:num_preemptions_by_mode_total", preemption_mode="recompute").total \
+        == st.preemptions_recompute
+    assert get("vllm:cpu_prefix_cache_queries_total").total == st.cpu_prefix_cache_queries
+    assert get("vllm:cpu_prefix_cache_hits_total").total == st.cpu_prefix_cache_hits
+    assert get("vllm:num_requests_swapped").value == 0
+    assert get("vllm:cpu_cache_usage_perc").value == st.cpu_cache_usage == 0.0
+
+
 def test_bad_swap_settings_are_refused(checkpoints):
     path = checkpoints["llama"]
     with pytest.raises(ValueError, match=r"swap_space=-2 is invalid"):
@@ -205,3 +232,25 @@ def test_bad_swap_settings_are_refused(checkpoints):
         LLM(path, **ENGINE, swap_space=1e-9)
     with pytest.raises(ValueError, match=r"swap_space=3000 is invalid: must be at most"):
         LLM(path, **ENGINE, swap_space=3000)        # more than this host can hold
+
+
+def test_settings_reach_the_engine_model_and_serve_flags():
+    from pathlib import Path
+
+    from pagedbackend.serving.launcher import ENGINE_PARAMETERS, env_overrides
+    from pagedbackend.serving.settings import engine_config, parameters_of
+    cfg = engine_config({"model": "x", "swap_space": "32", "preemption_mode": "swap"}, Path("/"))
+    assert (cfg.swap_space, cfg.preemption_mode) == (32.0, "swap")
+    shipped = (Path(__file__).parents[1] / "model_repository/engine/config.pbtxt").read_text()
+    assert 'key: "swap_space" value: { string_value: "0" }' in shipped
+    assert 'key: "preemption_mode" value: { string_value: "" }' in shipped
+    cfg = engine_config(parameters_of({"parameters": {
+        "model": {"string_value": "x"}, "swap_space": {"string_value": "0"},
+        "preemption_mode": {"string_value": ""}}}), Path("/"))
+    assert cfg.resolved_preemption_mode == "recompute"
+    with pytest.raises(ValueError, match=r"^parameter swap_space='lots' is invalid: must be a "):
+        engine_config({"model": "x", "swap_space": "lots"}, Path("/"))
+    with pytest.raises(ValueError, match=r"^preemption_mode='swap' is invalid with swap_space=0"):
+        engine_config({"model": "x", "preemption_mode": "swap"}, Path("/"))
+    assert {"swap_space", "preemption_mode"} <= set(ENGINE_PARAMETERS)
+    assert env_overrides({"PAGEDBACKEND_SWAP_SPACE": "16"}) == {"swap_space": "16"}
