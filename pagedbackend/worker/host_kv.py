@@ -116,19 +116,38 @@ class HostKVCache:
         self.device_blocks = raw.permute(2, 0, 1, 3, 4, 5)    # [blocks, 2, layers, ...], a view
         self.device = kv_cache.device
         cuda = self.device.type == "cuda"
-        shape = (num_blocks, *self.device_blocks.shape[1:])
+        shape = self.host_shape = (num_blocks, *self.device_blocks.shape[1:])
+        self.swap_space = swap_space_gib
+        self._registered = False
         try:
-            self.host = torch.empty(shape, dtype=torch.uint8, pin_memory=cuda)
+            self.host = torch.empty(shape, dtype=torch.uint8)
         except RuntimeError as e:
-            raise ValueError(f"swap_space={swap_space_gib!r} is invalid: the host could not pin "
-                             f"{self.nbytes(shape) / (1 << 30):.1f} GiB ({e}); must be less") \
-                from None
+            raise self._too_big(f"{e}") from None
+        if cuda:
+            # Registered in place, not torch's pinned allocator: that one rounds every size up
+            # to a power of two (20 GiB would pin 32).
+            rc = int(torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(),
+                                                          self.host.numel(), 1))
+            if rc != 0:
+                raise self._too_big(f"cudaHostRegister error {rc}")
+            self._registered = True
         self.staging = staging
         assert staging.shape[1:] == self.device_blocks.shape[1:], (staging.shape, shape)
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.num_blocks = num_blocks
         logger.info("host KV tier: %d blocks (%.2f GiB%s)", num_blocks,
                     self.nbytes(shape) / (1 << 30), ", pinned" if cuda else "")
+
+    def _too_big(self, why: str) -> ValueError:
+        return ValueError(f"swap_space={self.swap_space!r} is invalid: the host could not "
+                          f"pin {self.nbytes(self.host_shape) / (1 << 30):.1f} GiB ({why}); "
+                          "must be less")
+
+    def close(self) -> None:
+        """Unpin the tier (the engine's shutdown)."""
+        if self._registered:
+            self._registered = False
+            torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
 
     @staticmethod
     def nbytes(shape: tuple) -> int:

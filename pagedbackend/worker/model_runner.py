@@ -376,4 +376,6 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self.kv_caches = []
+        if self.host_kv is not None:
+            self.host_kv.close()
         self.kv_cache = self.host_kv = None
