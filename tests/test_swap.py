@@ -100,6 +100,35 @@ def test_swapped_kv_equals_the_original_bit_for_bit(checkpoints):
     assert checked["out"] > 0 and checked["in"] > 0, checked
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_device_copies_are_bit_exact_and_ordered_after_earlier_writes(dtype):
+    """HostKVCache alone, on the GPU when there is one: a step's copies, out then in, with host
+    blocks in runs and not, chunked through a staging buffer smaller than the step; a write
+    queued on the compute stream before the swap-out is what the host gets."""
+    from pagedbackend.worker.host_kv import HostKVCache
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cache = torch.randn(2, 3, 12, 4, 2, 8, device=device).to(dtype)   # 12 blocks
+    raw = cache.view(torch.uint8).permute(2, 0, 1, 3, 4, 5)
+    staging = torch.empty((3, *raw.shape[1:]), dtype=torch.uint8, device=device)
+    tier = HostKVCache(cache, 10, staging, 0.001)
+    try:
+        cache[:, :, 5].fill_(7.0)           # queued before the swap-out that reads block 5
+        want = raw.clone()
+        out = [(5, 2), (0, 3), (7, 4), (3, 9), (11, 0)]
+        tier.swap(out, [])
+        back = [(1, 2), (2, 3), (4, 4), (6, 9), (8, 0)]       # into other GPU blocks
+        tier.swap([(9, 6)], back)            # one more out, then the ins, in one step
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for g, h in out:
+            assert torch.equal(tier.host[h], want[g].cpu()), (g, h)
+        for (g, h), (src, _) in zip(back, out):
+            assert torch.equal(raw[g], want[src]), (g, src)
+        assert torch.equal(tier.host[6], want[9].cpu())
+    finally:
+        tier.close()
+
+
 def test_offloaded_prefix_hit_equals_a_cold_run_and_counts(checkpoints):
     path = checkpoints["llama"]
     rng = random.Random(5)
