@@ -98,12 +98,30 @@ class HostTier:
         if (self.mode == "recompute" or n_blocks == 0
                 or self.mode == "auto" and not self.cost.prefers_swap(n_tokens)):
             return False
-        host = self.pool.allocate(n_blocks)
-        if host is None:
+        # A full block whose hash the host holds already is not copied again: the request takes
+        # a reference on that copy. Its other full blocks are cached under their hashes too, so
+        # that their later eviction from the GPU pool copies nothing, and once the request is
+        # back (or gone) they serve prefix hits.
+        hashes = [self.kv.enable_caching and i < len(req.block_hashes)
+                  and i < n_tokens // self.block_size and req.block_hashes[i] or None
+                  for i in range(n_blocks)]
+        found = [self.pool.lookup(h) if h else None for h in hashes]
+        reused = [b for b in found if b is not None]
+        n_new = n_blocks - len(reused)
+        if n_new > self.pool.num_available - sum(1 for b in reused if not self.pool.ref_cnt[b]):
             return False                # the tier is full of other swapped requests
+        self.pool.hold(reused)
+        new = iter(self.pool.allocate(n_new))
         gpu = self.kv.block_ids(req.request_id)[:n_blocks]
-        self._swap_out.extend(zip(gpu, host))
-        self.num_swap_out_blocks += n_blocks
+        host = []
+        for g, h, b in zip(gpu, hashes, found):
+            if b is None:
+                b = next(new)
+                self._swap_out.append((g, b))
+                if h:
+                    self.pool.cache(b, h)
+            host.append(b)
+        self.num_swap_out_blocks += n_new
         self.host_blocks[req.request_id] = host
         self.kv.free(req)
         self.preemptions["swap"] += 1
