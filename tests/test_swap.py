@@ -107,10 +107,12 @@ def test_device_copies_are_bit_exact_and_ordered_after_earlier_writes(dtype):
     queued on the compute stream before the swap-out is what the host gets."""
     from pagedbackend.worker.host_kv import HostKVCache
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cache = torch.randn(2, 3, 12, 4, 2, 8, device=device).to(dtype)   # 12 blocks
+    cache = torch.randn(2, 3, 12, 4, 2, 6, device=device).to(dtype)   # 12 blocks
     raw = cache.view(torch.uint8).permute(2, 0, 1, 3, 4, 5)
     staging = torch.empty((3, *raw.shape[1:]), dtype=torch.uint8, device=device)
     tier = HostKVCache(cache, 10, staging, 0.001)
+    raw = tier.device_blocks                # [blocks, 2, layers, ...] of wide integers
+    assert raw.dtype == (torch.int32 if dtype == torch.bfloat16 else torch.int64)
     try:
         cache[:, :, 5].fill_(7.0)           # queued before the swap-out that reads block 5
         want = raw.clone()

@@ -112,7 +112,10 @@ class HostKVCache:
     def __init__(self, kv_cache: torch.Tensor, num_blocks: int, staging: torch.Tensor,
                  swap_space_gib: float):
         """kv_cache: the runner's [2, layers, blocks, block_size, kv_heads, head_dim] tensor."""
-        raw = kv_cache.view(torch.uint8)
+        # copies are dtype-blind: the widest integer that tiles a head's bytes (a gather of
+        # single bytes would move a byte per thread)
+        wide = _widest(kv_cache.shape[-1] * kv_cache.element_size())
+        raw = kv_cache.view(torch.uint8).view(wide)
         self.device_blocks = raw.permute(2, 0, 1, 3, 4, 5)    # [blocks, 2, layers, ...], a view
         self.device = kv_cache.device
         cuda = self.device.type == "cuda"
@@ -120,19 +123,19 @@ class HostKVCache:
         self.swap_space = swap_space_gib
         self._registered = False
         try:
-            self.host = torch.empty(shape, dtype=torch.uint8)
+            self.host = torch.empty(shape, dtype=wide)
         except RuntimeError as e:
             raise self._too_big(f"{e}") from None
         if cuda:
             # Registered in place, not torch's pinned allocator: that one rounds every size up
             # to a power of two (20 GiB would pin 32).
-            rc = int(torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(),
-                                                          self.host.numel(), 1))
+            rc = int(torch.cuda.cudart().cudaHostRegister(
+                self.host.data_ptr(), self.host.numel() * self.host.element_size(), 1))
             if rc != 0:
                 raise self._too_big(f"cudaHostRegister error {rc}")
             self._registered = True
-        self.staging = staging
-        assert staging.shape[1:] == self.device_blocks.shape[1:], (staging.shape, shape)
+        self.staging = staging.view(wide)
+        assert self.staging.shape[1:] == self.device_blocks.shape[1:], (staging.shape, shape)
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.num_blocks = num_blocks
         logger.info("host KV tier: %d blocks (%.2f GiB%s)", num_blocks,
@@ -149,9 +152,8 @@ class HostKVCache:
             self._registered = False
             torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
 
-    @staticmethod
-    def nbytes(shape: tuple) -> int:
-        n = 1
+    def nbytes(self, shape: tuple) -> int:
+        n = self.device_blocks.element_size()
         for s in shape:
             n *= s
         return n
@@ -187,9 +189,11 @@ class HostKVCache:
     def _ids(self, ids) -> torch.Tensor:
         return to_device_async(torch.tensor(list(ids), dtype=torch.long), self.device)
 
-    def read(self, host_blocks: list[int]) -> torch.Tensor:
-        """Host blocks as the device's dtype-blind bytes (tests compare them bit for bit)."""
-        return self.host[host_blocks]
+
+
+def _widest(nbytes: int) -> torch.dtype:
+    return next(d for d, n in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2),
+                               (torch.uint8, 1)) if nbytes % n == 0)
 
 
 def _runs(ids: list[int]) -> Iterator[tuple[int, int, int]]:
