@@ -19,7 +19,7 @@ QUANTIZATIONS = ("fp8",)
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
-# How a preempted request gets its KV back (core/swap.py): recompute (free it, prefill again),
+# How a preempted request gets its KV back (core/host_tier.py): recompute (free it, prefill again),
 # swap (copy it to the host tier and back), auto (by estimated cost: recompute short contexts,
 # swap long ones). None: auto when swap_space > 0, else recompute.
 PREEMPTION_MODES = ("recompute", "swap", "auto")

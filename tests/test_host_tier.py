@@ -223,6 +223,22 @@ def test_abort_while_swapping_in_frees_both_tiers():
     check(sched, idle=True)
 
 
+def test_swap_in_takes_blocks_the_gpu_prefix_cache_still_holds():
+    kv = KVCacheManager(16, 2)
+    tier = HostTier(kv, 16, "swap")
+    req = make_req("a", [1, 2, 3, 4, 5], max_tokens=2)
+    kv.allocate_slots(req, 5)
+    req.num_computed_tokens = 5
+    gpu_before = kv.block_ids("a")
+    assert tier.swap_out(req)
+    assert len(tier._swap_out) == 3
+    kv.pool.allocate(1)                 # evicts nothing of a's: the free queue has room
+    copied = tier.swap_in(req, 1)
+    # the two full blocks come back from the GPU prefix cache; the partial one is copied
+    assert kv.block_ids("a")[:2] == gpu_before[:2] and copied == kv.block_ids("a")[2:3]
+    assert tier._swap_in == [(copied[0], tier._held[2])]
+
+
 def test_copies_of_a_step_that_runs_nothing_wait_for_the_next():
     kv = KVCacheManager(4, 2)
     tier = HostTier(kv, 4, "swap")

@@ -129,15 +129,22 @@ class HostTier:
 
     def swap_in(self, req: Request, num_new_tokens: int) -> Optional[list[int]]:
         """Give a swapped-out request GPU blocks for its saved KV and its next num_new_tokens,
-        queue the copies back, release its host blocks after this step. Returns its new
-        block ids, or None (nothing changed) if they do not fit."""
+        queue the copies back, release its host blocks after this step. Leading blocks still
+        in the GPU prefix cache are taken from there instead. Returns the block ids copied
+        into, or None (nothing changed) if they do not fit."""
         host = self.host_blocks[req.request_id]
-        gpu = self.kv.restore_slots(req, len(host), num_new_tokens)
+        cached = []             # leading blocks the GPU prefix cache still holds: not copied
+        for b in host:
+            g = self.kv.pool.lookup(self.pool.block_hash[b]) if self.pool.block_hash[b] else None
+            if g is None:
+                break
+            cached.append(g)
+        gpu = self.kv.restore_slots(req, len(host), num_new_tokens, cached)
         if gpu is None:
             return None
         del self.host_blocks[req.request_id]
-        self._swap_in.extend(zip(gpu, host))
-        self.num_swap_in_blocks += len(host)
+        self._swap_in.extend(zip(gpu, host[len(cached):]))
+        self.num_swap_in_blocks += len(gpu)
         self._held.extend(host)
         return gpu
 

@@ -110,16 +110,18 @@ class KVCacheManager:
         self.num_cached_blocks.pop(req.request_id, None)
         self.pool.free(reversed(blocks))
 
-    def restore_slots(self, req: Request, num_blocks: int,
-                      num_new_tokens: int) -> Optional[list[int]]:
-        """A swapped-in request (no table, num_computed_tokens kept): num_blocks fresh blocks
-        for its saved KV, then room for its next num_new_tokens. Returns the fresh blocks, or
-        None (nothing changed) if they do not fit."""
-        need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
-        if req.request_id in self.req_blocks or need > self.pool.num_free_blocks:
+    def restore_slots(self, req: Request, num_blocks: int, num_new_tokens: int,
+                      cached: list[int] = ()) -> Optional[list[int]]:
+        """A swapped-in request (no table, num_computed_tokens kept): its num_blocks saved
+        blocks, the leading ones from `cached` (blocks the prefix cache still holds) and the
+        rest fresh, then room for its next num_new_tokens. Returns the fresh blocks (to copy
+        its KV into), or None (nothing changed) if they do not fit."""
+        need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(cached)
+        if req.request_id in self.req_blocks or not self._fits(need, cached):
             return None
-        blocks = self.pool.allocate(num_blocks)
-        self.req_blocks[req.request_id] = list(blocks)
+        self.pool.touch(cached)
+        blocks = self.pool.allocate(num_blocks - len(cached))
+        self.req_blocks[req.request_id] = list(cached) + blocks
         self.allocate_slots(req, num_new_tokens)    # registers its full blocks again too
         return blocks
 
