@@ -14,7 +14,7 @@ VOCAB = TINY_CONFIGS["llama"]["vocab_size"]
 # A pool of 14 blocks of 4 tokens for many 20-40-token requests: heavy preemption.
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=14, max_num_batched_tokens=32,
               max_num_seqs=6, max_model_len=56)
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 GIB_PER_BLOCK = 2 * 2 * 4 * 2 * 16 * 4 / (1 << 30)      # tiny llama: 2 layers, 2 kv heads x 16
 
 
@@ -59,7 +59,7 @@ def swap_llm(path, swap_space=64 * GIB_PER_BLOCK, **kw):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_swap_gives_recompute_tokens_under_heavy_preemption(checkpoints, arch):
-    batch = prompts()
+    batch = prompts(count=8)
     want = generate(LLM(checkpoints[arch], **ENGINE), batch)
     llm = swap_llm(checkpoints[arch], preemption_mode="swap")
     assert generate(llm, batch) == want
