@@ -21,6 +21,11 @@ QUANTIZATIONS = ("fp8", "int8", "awq", "gptq")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
+# How a preempted request gets its KV back (core/host_tier.py): recompute (free it, prefill again),
+# swap (copy it to the host tier and back), auto (by estimated cost: recompute short contexts,
+# swap long ones). None: auto when swap_space > 0, else recompute.
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+MAX_SWAP_SPACE_GIB = 4096.0                 # per GPU; more is a typo (MiB meant?), not a host
 
 
 def check(ok: bool, field: str, value: Any, allowed: str) -> None:
@@ -59,6 +64,10 @@ class EngineConfig:
     # vLLM's speculative_config: a dict (or JSON text) of spec_decode.config.SpeculativeConfig
     # fields, stored as that dataclass; None: no speculative decoding
     speculative_config: Any = None
+    # The host-memory KV tier, GiB per GPU (vLLM's swap_space): swapped-out requests and
+    # prefix-cache blocks evicted from the GPU pool (worker/host_kv.py, core/host_tier.py)
+    swap_space: float = 0.0
+    preemption_mode: Optional[str] = None    # see PREEMPTION_MODES
 
     def __post_init__(self) -> None:
         check(isinstance(self.model, str) and self.model != "", "model", self.model,
@@ -108,6 +117,24 @@ class EngineConfig:
                                SpeculativeConfig.make(self.speculative_config))
             check(self.tensor_parallel_size == 1, "speculative_config", self.speculative_config,
                   "None with tensor_parallel_size > 1 (not supported yet)")
+        self._check_swap()
+
+    def _check_swap(self) -> None:
+        check(isinstance(self.swap_space, (int, float)) and not isinstance(self.swap_space, bool)
+              and 0 <= self.swap_space <= MAX_SWAP_SPACE_GIB, "swap_space", self.swap_space,
+              f"a number of GiB in [0, {MAX_SWAP_SPACE_GIB:g}] (per GPU)")
+        check(self.preemption_mode is None or self.preemption_mode in PREEMPTION_MODES,
+              "preemption_mode", self.preemption_mode, f"None or one of {PREEMPTION_MODES}")
+        if self.preemption_mode in ("swap", "auto") and self.swap_space == 0:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} is invalid with "
+                             "swap_space=0: must be 'recompute' (or None), or set swap_space "
+                             "> 0 GiB for the host tier it swaps to")
+
+    @property
+    def resolved_preemption_mode(self) -> str:
+        if self.preemption_mode is not None:
+            return self.preemption_mode
+        return "auto" if self.swap_space > 0 else "recompute"
 
     def resolved_kv_cache_dtype(self, model_dtype: str) -> str:
         """The KV cache's element type (a torch dtype's name): the model's, or float8_e4m3fn."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 
 def hash_block(parent: Optional[bytes], token_ids: Sequence[int],
@@ -34,6 +34,9 @@ class BlockPool:
         # Head = next to hand out. Values unused; OrderedDict gives O(1) removal from the middle.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
+        # Called as on_evict(block_id, block_hash) before a cached block is handed out again
+        # (the host tier keeps a copy: core/host_tier.py)
+        self.on_evict: Optional[Callable[[int, bytes], None]] = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,6 +66,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             b, _ = self.free_queue.popitem(last=False)
+            if self.on_evict is not None and self.cached.get(self.block_hash[b]) == b:
+                self.on_evict(b, self.block_hash[b])
             self._evict(b)
             self.ref_cnt[b] = 1
             out.append(b)
@@ -83,6 +88,10 @@ class BlockPool:
         if block_hash not in self.cached:
             self.cached[block_hash] = block_id
             self.block_hash[block_id] = block_hash
+
+    def uncache(self, block_id: int) -> None:
+        """Forget a block's hash (its tokens were registered but will not be computed)."""
+        self._evict(block_id)
 
     def _evict(self, b: int) -> None:
         h = self.block_hash[b]

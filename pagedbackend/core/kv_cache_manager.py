@@ -119,6 +119,33 @@ class KVCacheManager:
         self.num_cached_blocks.pop(req.request_id, None)
         self.pool.free(reversed(blocks))
 
+    def restore_slots(self, req: Request, num_blocks: int, num_new_tokens: int,
+                      cached: list[int] = ()) -> Optional[list[int]]:
+        """A swapped-in request (no table, num_computed_tokens kept): its num_blocks saved
+        blocks, the leading ones from `cached` (blocks the prefix cache still holds) and the
+        rest fresh, then room for its next num_new_tokens. Returns the fresh blocks (to copy
+        its KV into), or None (nothing changed) if they do not fit."""
+        need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(cached)
+        if req.request_id in self.req_blocks or not self._fits(need, cached):
+            return None
+        self.pool.touch(cached)
+        blocks = self.pool.allocate(num_blocks - len(cached))
+        self.req_blocks[req.request_id] = list(cached) + blocks
+        self.allocate_slots(req, num_new_tokens)    # registers its full blocks again too
+        return blocks
+
+    def uncache_uncomputed(self, req: Request) -> None:
+        """Before freeing a request preempted in the step that registered blocks for tokens it
+        will now not compute: those blocks must not be found by their hash."""
+        blocks = self.req_blocks.get(req.request_id, [])
+        done = self.num_cached_blocks.get(req.request_id, 0)
+        first = req.num_computed_tokens // self.block_size
+        for i in range(first, done):
+            if self.pool.block_hash[blocks[i]] == req.block_hashes[i]:
+                self.pool.uncache(blocks[i])
+        if done > first:
+            self.num_cached_blocks[req.request_id] = first
+
     def check_invariants(self, idle: bool = False) -> dict[str, int]:
         counts = self.pool.check_invariants()
         refs = [0] * self.pool.num_blocks

@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"         # preempted, its KV in the host tier (core/host_tier.py)
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

@@ -3,7 +3,9 @@
 Each step spends one token budget: first on running requests (a decode costs 1 token, the rest of
 a chunked prefill costs up to the remaining budget), then on waiting requests in policy order.
 When blocks run out, the lowest-priority then newest running request is preempted by recompute:
-its blocks are freed and it goes back to the front of the waiting queue.
+its blocks are freed and it goes back to the front of the waiting queue; or, with a host tier
+(core/host_tier.py), by swap: its KV is copied to host memory and it waits in `swapped`, which
+is served before `waiting`.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from pagedbackend.core.host_tier import HostTier
 from pagedbackend.core.kv_cache_manager import KVCacheManager
 from pagedbackend.core.request import Request, RequestStatus
 
@@ -38,6 +41,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Copies to run before this step's forward, outs first: (GPU block, host block) pairs
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -84,7 +90,8 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, policy: str = "fcfs"):
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs",
+                 host_tier: Optional[HostTier] = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -94,6 +101,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.host = host_tier
+        self.swapped = WaitingQueue(policy)     # preempted by swap: their KV is on the host
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -112,6 +121,9 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+                self.host.free(req)
             else:
                 self.waiting.remove(req)
             req.status = status
@@ -130,11 +142,17 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     # -- one step ------------------------------------------------------------------------
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
+        if self.host is not None:
+            self.host.begin_step()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -163,21 +181,35 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        # New admissions only when nothing had to be preempted this step.
-        while (not out.preempted_req_ids and len(self.waiting) and budget > 0
+        if self.host is not None and not out.preempted_req_ids:
+            budget = self._swap_in(scheduled, budget)
+
+        # New admissions only when nothing had to be preempted this step, and none is left
+        # swapped out (they would take the blocks it waits for).
+        while (not out.preempted_req_ids and not len(self.swapped) and len(self.waiting)
+               and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting.peek()
             if req.num_pending:
                 break                   # preempted with a token in flight: admit once it lands
             computed, num_cached = self.kv.get_computed_blocks(req)
-            n = req.num_tokens - num_cached
+            host_hits = self.host.lookup_prefix(req, len(computed)) if self.host else []
+            num_on_host = len(host_hits) * self.kv.block_size
+            n = req.num_tokens - num_cached - num_on_host
             if n > budget and not self.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if self.kv.allocate_slots(req, n, computed) is None:
+            if self.host is not None:
+                new = self.host.allocate_slots(req, n, computed, host_hits)
+            else:
+                new = self.kv.allocate_slots(req, n, computed)
+            if new is None:
                 break
             self.waiting.pop()
             self.kv.record_prefix_lookup(req.num_tokens, num_cached)
+            if self.host is not None and self.kv.enable_caching:
+                self.host.record_prefix_lookup(req.num_tokens - num_cached, num_on_host)
+            num_cached += num_on_host
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
@@ -189,7 +221,26 @@ class Scheduler:
             budget -= n
 
         out.scheduled = list(scheduled.values())
+        if self.host is not None:
+            self.host.end_step(out)
         return out
+
+    def _swap_in(self, scheduled: dict[str, ScheduledRequest], budget: int) -> int:
+        """Bring swapped-out requests back (before any new admission), in policy order, while
+        their blocks and next tokens fit; returns the budget left."""
+        while len(self.swapped) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.swapped.peek()
+            if req.num_pending:
+                break                   # preempted with a token in flight: once it lands
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.host.swap_in(req, n) is None:
+                break
+            self.swapped.pop()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = ScheduledRequest.of(req, n, self.kv.block_ids(req.request_id))
+            budget -= n
+        return budget
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -198,12 +249,19 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.kv.uncache_uncomputed(req)
+        if self.host is not None and self.host.swap_out(req):
+            req.status = RequestStatus.SWAPPED
+            self.swapped.push(req, front=True)
+            return
+        if self.host is not None:
+            self.host.preemptions["recompute"] += 1
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.push(req, front=True)
 
     def on_launched(self, out: SchedulerOutput) -> None:

@@ -76,11 +76,22 @@ class EngineStats:
     num_kv_blocks: int
     num_used_blocks: int
     spec_decode: Optional[Any] = None   # a SpecDecodeStats snapshot, when speculating
+    # the host tier (swap_space > 0; zeros without it)
+    num_swapped: int = 0
+    cpu_cache_usage: float = 0.0
+    num_host_blocks: int = 0
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+    cpu_prefix_cache_queries: int = 0
+    cpu_prefix_cache_hits: int = 0
+    preemptions_swap: int = 0
+    preemptions_recompute: int = 0
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         from pagedbackend.worker import make_runner  # torch lives below this line
+        from pagedbackend.worker.host_kv import make_host_tier
 
         self.config = config
         files = load_model_files(config)
@@ -103,7 +114,10 @@ class LLMEngine:
                     info.max_model_len, num_blocks / blocks_needed)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, info.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.scheduling_policy)
+                                   config.enable_chunked_prefill, config.scheduling_policy,
+                                   host_tier=make_host_tier(config, self.kv,
+                                                            self.runner.num_host_blocks,
+                                                            files.hf_config, info))
         self.outputs = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, info.vocab_size, info.eos_token_ids)
         self.timing = StepTiming()
@@ -322,16 +336,31 @@ class LLMEngine:
         self.runner.release([r.request_id for r in finished])
 
     def stats(self) -> EngineStats:
+        host = self.scheduler.host
+        tier = {} if host is None else dict(
+            num_swapped=self.scheduler.num_swapped, cpu_cache_usage=host.pool.usage(),
+            num_host_blocks=host.pool.num_blocks, swap_out_blocks=host.num_swap_out_blocks,
+            swap_in_blocks=host.num_swap_in_blocks, cpu_prefix_cache_queries=host.prefix_queries,
+            cpu_prefix_cache_hits=host.prefix_hits, preemptions_swap=host.preemptions["swap"],
+            preemptions_recompute=host.preemptions["recompute"])
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.kv.usage(), num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits, num_kv_blocks=self.kv.num_blocks,
             num_used_blocks=self.kv.pool.num_used_blocks,
-            spec_decode=self.drafter.snapshot() if self.drafter is not None else None)
+            spec_decode=self.drafter.snapshot() if self.drafter is not None else None,
+            **tier)
 
     def check_invariants(self) -> dict[str, int]:
-        return self.kv.check_invariants(idle=not self.scheduler.has_unfinished())
+        idle = not self.scheduler.has_unfinished()
+        counts = self.kv.check_invariants(idle=idle)
+        if self.scheduler.host is not None:
+            swapped = {r.request_id for r in self.scheduler.swapped}
+            host = self.scheduler.host.check_invariants(swapped, idle=idle)
+            counts.update({f"host_{k}": v for k, v in host.items()})
+        return counts
 
     def shutdown(self) -> None:
         self.runner.shutdown()
+

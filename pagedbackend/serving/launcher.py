@@ -29,7 +29,7 @@ ENGINE_PARAMETERS = ("model", "block_size", "max_num_seqs", "max_model_len",
                      "dtype", "kv_cache_dtype", "quantization", "device", "enable_prefix_caching",
                      "num_kv_blocks", "kv_cache_memory_bytes", "load_format", "enforce_eager",
                      "seed", "async_scheduling", "max_responses_per_s", "stream_coalesce",
-                     "speculative_config")
+                     "speculative_config", "swap_space", "preemption_mode")
 ENV_PREFIX = "PAGEDBACKEND_"
 
 

@@ -45,7 +45,18 @@ STAT_NAMES = {
     "preemptions": "num_preemptions",
     "prefix_queries": "prefix_cache_queries",
     "prefix_hits": "prefix_cache_hits",
+    # the host tier (swap_space; zeros without it)
+    "swapped": "num_swapped",
+    "cpu_usage": "cpu_cache_usage",
+    "swap_out": "swap_out_blocks",
+    "swap_in": "swap_in_blocks",
+    "cpu_prefix_queries": "cpu_prefix_cache_queries",
+    "cpu_prefix_hits": "cpu_prefix_cache_hits",
+    "preemptions_swap": "preemptions_swap",
+    "preemptions_recompute": "preemptions_recompute",
 }
+HOST_TIER_COUNTERS = ("swap_out", "swap_in", "cpu_prefix_queries", "cpu_prefix_hits",
+                      "preemptions_swap", "preemptions_recompute")
 
 
 def stat(stats: Any, key: str) -> Optional[float]:
@@ -90,12 +101,17 @@ class CounterHistogram:
 
 def cache_config_labels(engine: Any) -> dict[str, str]:
     """vllm:cache_config_info's labels, vLLM's names: the KV cache's block size, element type
-    (kv_cache_dtype, "auto" = the model's), block count, prefix caching, memory share."""
+    (kv_cache_dtype, "auto" = the model's), block count, prefix caching, memory share, and
+    with a host tier its swap_space and num_cpu_blocks."""
     c = engine.config
-    return {"block_size": str(c.block_size), "cache_dtype": c.kv_cache_dtype,
-            "num_gpu_blocks": str(engine.info.num_kv_blocks),
-            "enable_prefix_caching": str(c.enable_prefix_caching),
-            "gpu_memory_utilization": str(c.gpu_memory_utilization)}
+    labels = {"block_size": str(c.block_size), "cache_dtype": c.kv_cache_dtype,
+              "num_gpu_blocks": str(engine.info.num_kv_blocks),
+              "enable_prefix_caching": str(c.enable_prefix_caching),
+              "gpu_memory_utilization": str(c.gpu_memory_utilization)}
+    if getattr(c, "swap_space", 0):     # the host tier's GiB per GPU and its blocks
+        labels.update(swap_space=str(c.swap_space),
+                      num_cpu_blocks=str(engine.stats().num_host_blocks))
+    return labels
 
 
 class ServingMetrics:
@@ -137,6 +153,23 @@ class ServingMetrics:
         self.prefix_queries = counter("vllm:prefix_cache_queries_total",
                                       "Prefix-cache queries, in tokens.")
         self.prefix_hits = counter("vllm:prefix_cache_hits_total", "Prefix-cache hits, in tokens.")
+        # the host tier (swap_space): vLLM v0's gauges, counters in its style
+        self.swapped = gauge("vllm:num_requests_swapped", "Requests swapped out to the host tier.")
+        self.cpu_usage = gauge("vllm:cpu_cache_usage_perc",
+                               "Host-tier KV usage (swapped-out requests); 1 means 100 percent.")
+        self.swap_out = counter("vllm:swap_out_blocks_total",
+                                "KV blocks copied to the host tier (preemption and offload).")
+        self.swap_in = counter("vllm:swap_in_blocks_total",
+                               "KV blocks copied back from the host tier.")
+        self.cpu_prefix_queries = counter("vllm:cpu_prefix_cache_queries_total",
+                                          "Host prefix-cache queries (GPU misses), in tokens.")
+        self.cpu_prefix_hits = counter("vllm:cpu_prefix_cache_hits_total",
+                                       "Host prefix-cache hits, in tokens.")
+        by_mode = family("vllm:num_preemptions_by_mode_total",
+                         "Preemptions by how the request gets its KV back.", mf.COUNTER)
+        self.preemptions_swap = by_mode.Metric(labels={**labels, "preemption_mode": "swap"})
+        self.preemptions_recompute = by_mode.Metric(
+            labels={**labels, "preemption_mode": "recompute"})
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.",
                               TTFT_BUCKETS)
         self.itl = CounterHistogram(lambda name, doc: family(name, doc, mf.COUNTER), labels,
@@ -171,7 +204,8 @@ class ServingMetrics:
         if num_speculative_tokens:
             from pagedbackend.serving.spec_metrics import SpecDecodeMetrics
             self.spec = SpecDecodeMetrics(counter, num_speculative_tokens)
-        self._totals = {"preemptions": 0.0, "prefix_queries": 0.0, "prefix_hits": 0.0}
+        self._totals = dict.fromkeys(("preemptions", "prefix_queries", "prefix_hits")
+                                     + HOST_TIER_COUNTERS, 0.0)
         self._min_pass_s = min_pass_s
         self._last_pass = 0.0
         self._events: queue.SimpleQueue = queue.SimpleQueue()
@@ -264,13 +298,15 @@ class ServingMetrics:
 
     def _apply_stats(self, stats: Any) -> None:
         for key, gauge in (("running", self.running), ("waiting", self.waiting),
-                           ("kv_usage", self.kv_usage)):
+                           ("kv_usage", self.kv_usage), ("swapped", self.swapped),
+                           ("cpu_usage", self.cpu_usage)):
             value = stat(stats, key)
             if value is not None:
                 gauge.set(value)
         for key, ctr in (("preemptions", self.preemptions),
                          ("prefix_queries", self.prefix_queries),
-                         ("prefix_hits", self.prefix_hits)):
+                         ("prefix_hits", self.prefix_hits),
+                         *((k, getattr(self, k)) for k in HOST_TIER_COUNTERS)):
             value = stat(stats, key)           # engine totals are cumulative: publish the growth
             if value is not None and value > self._totals[key]:
                 ctr.increment(value - self._totals[key])

@@ -20,7 +20,7 @@ from pagedbackend.layers.attention import AttentionMetadata
 from pagedbackend.layers.sampler import Sampler, argmax
 from pagedbackend.layers.sampling_metadata import SamplingMetadata, to_device_async
 from pagedbackend.models import build_model, load_weights
-from pagedbackend.worker import cuda_graph
+from pagedbackend.worker import cuda_graph, host_kv
 from pagedbackend.worker.cuda_graph import DecodeGraphs, PrefillGraphs
 from pagedbackend.worker.kv_sizing import kv_bytes_per_block, num_blocks_for_device
 from pagedbackend.worker.prompt_logprobs import prompt_logprobs
@@ -101,6 +101,8 @@ class ModelRunner:
         self.prev_sampled: Optional[torch.Tensor] = None    # the last launch's sampled ids
         self.prev_rows: dict[str, int] = {}                 # request id -> row in them
         self.prompt_logits: Optional[torch.Tensor] = None   # this step's, for prompt_logprobs
+        self.host_kv = None                                  # the host tier (swap_space > 0)
+        self.num_host_blocks = 0
 
     def reset_timing(self) -> None:
         """Zero what LLMEngine.timing_summary reads: the time spent waiting for the GPU at the
@@ -120,12 +122,16 @@ class ModelRunner:
             COMPILES.disarm()   # this start-up's compiles are expected (another engine's may not)
         per_block = kv_bytes_per_block(self.hf_config, self.block_size, self.kv_dtype,
                                        self.tp_size)
+        staging = self._host_tier_staging(per_block)
         num_blocks = num_blocks_for_device(
             self.config, self.device, per_block,
             profile=lambda: self.profile_run(max_num_batched_tokens, max_model_len))
         if agree is not None:
             num_blocks = agree(num_blocks)
         self.allocate_kv_cache(num_blocks)
+        if staging is not None:
+            self.host_kv = host_kv.HostKVCache(self.kv_cache, self.num_host_blocks, staging,
+                                               self.config.swap_space)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
                                        self.config.max_num_seqs, max_model_len, self.block_size)
@@ -141,12 +147,25 @@ class ModelRunner:
             COMPILES.arm()      # from here on, a kernel compile is logged as a warning
         return num_blocks
 
+    def _host_tier_staging(self, per_block: int) -> Optional[torch.Tensor]:
+        """With swap_space: check the host can hold the tier, and make the device's staging
+        buffer for its copies (before sizing the KV cache, which then leaves room for it)."""
+        if not self.config.swap_space:
+            return None
+        self.num_host_blocks = host_kv.num_host_blocks(self.config.swap_space, per_block)
+        host_kv.check_host_memory(self.config.swap_space, self.tp_size)
+        layers = int(self.hf_config["num_hidden_layers"])
+        shape = (2, layers, self.block_size, self.model.num_kv_heads,
+                 self.model.head_dim * torch.empty((), dtype=self.kv_dtype).element_size())
+        return host_kv.staging_buffer(shape, per_block, self.num_host_blocks, self.device)
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         layers = int(self.hf_config["num_hidden_layers"])
         kv_heads = self.model.num_kv_heads
         head_dim = self.model.head_dim
         shape = (2, layers, num_blocks, self.block_size, kv_heads, head_dim)
         cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_cache = cache
         self.kv_caches = [(cache[0, i], cache[1, i]) for i in range(layers)]
         self.num_kv_blocks = num_blocks
 
@@ -194,7 +213,10 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> HostInputs:
-        return host_inputs(sched.scheduled, self.block_size, self.prev_rows)
+        h = host_inputs(sched.scheduled, self.block_size, self.prev_rows)
+        if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
+            h.swaps = (sched.blocks_to_swap_out, sched.blocks_to_swap_in)
+        return h
 
     def _upload_step(self, h: HostInputs) -> list[torch.Tensor]:
         """[tokens, positions, slots, cu, seq_lens, table, logits_idx] on the device (int64),
@@ -223,6 +245,8 @@ class ModelRunner:
         sequence's prefill of up to 512 tokens, else eager (graphs=False: always eager).
         Tensor-parallel workers call this alone (they take part in the collectives, not in
         sampling)."""
+        if h.swaps is not None:         # the host tier's copies go ahead of the forward
+            self.host_kv.swap(*h.swaps)
         # the graphs compute only the sampling rows' logits, not prompt logprobs (a one-token
         # chunk of a prompt can make a step of single tokens)
         graphs = graphs and not len(h.plp_idx) and not h.num_drafts
@@ -363,3 +387,6 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self.kv_caches = []
+        if self.host_kv is not None:
+            self.host_kv.close()
+        self.kv_cache = self.host_kv = None

@@ -48,6 +48,9 @@ class HostInputs:
         self.ph_src = empty if ph_src is None else ph_src
         self.plp_idx, self.plp_target, self.plp_row, self.plp_first = \
             plp if plp is not None else (empty, empty, empty, {})
+        # (swap-out pairs, swap-in pairs) of (GPU block, host block) to copy before the
+        # forward (worker/host_kv.py); None: none
+        self.swaps = None
 
 
 @dataclass

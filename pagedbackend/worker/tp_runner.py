@@ -69,6 +69,7 @@ class TPRunner:
             self._finalizer()
             raise
         self.num_kv_blocks = min([self.runner.num_kv_blocks] + blocks)
+        self.num_host_blocks = self.runner.num_host_blocks   # the same shard size on every rank
         self._workers.start_watchdog()
         logger.info("tensor parallel: %d ranks (%s), %d KV blocks per rank", world, backend,
                     self.num_kv_blocks)
