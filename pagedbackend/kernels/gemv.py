@@ -105,20 +105,24 @@ def _widen_e4m3(w, WIDEN: tl.constexpr):
     quantized weights) becomes a finite number. 1 writes it in triton-language (sign-extend,
     shift, mask); 2 in PTX on four packed bytes at a time (shl / shr.s32 / and per byte). The
     CPU interpreter cannot run PTX, so 2 runs 1 there: the PTX is tested on the GPU only."""
+    # no early return: triton compiles the statements after a static if's return too, and the
+    # 8-bit bitcast below does not compile for 16-bit weights (every bf16 FMA tile failed)
     if WIDEN == 0:
-        return w.to(tl.float32)
-    b = w.to(tl.int8, bitcast=True)
-    if WIDEN == 2 and not INTERPRET:
-        bits = tl.inline_asm_elementwise(
-            "{\n\t.reg .b32 t;\n\t"
-            "shl.b32 t, $4, 24;\n\tshr.s32 t, t, 4;\n\tand.b32 $0, t, 0x87F00000;\n\t"
-            "shl.b32 t, $4, 16;\n\tshr.s32 t, t, 4;\n\tand.b32 $1, t, 0x87F00000;\n\t"
-            "shl.b32 t, $4, 8;\n\tshr.s32 t, t, 4;\n\tand.b32 $2, t, 0x87F00000;\n\t"
-            "shr.s32 t, $4, 4;\n\tand.b32 $3, t, 0x87F00000;\n\t}",
-            "=r,=r,=r,=r,r", [b], dtype=tl.int32, is_pure=True, pack=4)
+        out = w.to(tl.float32)
     else:
-        bits = (b.to(tl.int32) << 20) & E4M3_IN_FP32
-    return bits.to(tl.float32, bitcast=True)
+        b = w.to(tl.int8, bitcast=True)
+        if WIDEN == 2 and not INTERPRET:
+            bits = tl.inline_asm_elementwise(
+                "{\n\t.reg .b32 t;\n\t"
+                "shl.b32 t, $4, 24;\n\tshr.s32 t, t, 4;\n\tand.b32 $0, t, 0x87F00000;\n\t"
+                "shl.b32 t, $4, 16;\n\tshr.s32 t, t, 4;\n\tand.b32 $1, t, 0x87F00000;\n\t"
+                "shl.b32 t, $4, 8;\n\tshr.s32 t, t, 4;\n\tand.b32 $2, t, 0x87F00000;\n\t"
+                "shr.s32 t, $4, 4;\n\tand.b32 $3, t, 0x87F00000;\n\t}",
+                "=r,=r,=r,=r,r", [b], dtype=tl.int32, is_pure=True, pack=4)
+        else:
+            bits = (b.to(tl.int32) << 20) & E4M3_IN_FP32
+        out = bits.to(tl.float32, bitcast=True)
+    return out
 
 
 @triton.jit
