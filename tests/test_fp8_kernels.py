@@ -176,3 +176,30 @@ def test_skinny_fp8_integer_widening_gives_the_same_sums(prologue):
                 assert err < 1e-6, (cfg, m, err)
             else:
                 assert torch.equal(y, ref), (cfg, m)
+
+
+@pytest.mark.skipif(CUDA, reason="the choice logic alone (timings scripted): the CPU covers it, "
+                    "and on the GPU it would compile every tile for nothing")
+def test_tuner_tries_the_widening_tiles_at_one_row_only(monkeypatch):
+    """With fp8 weights the tuner times the integer-widening tiles at one row (and may choose
+    one), never at more rows; tiles are timed in their fused form as the others."""
+    from pagedbackend.kernels import gemv, gemv_tuning
+    from pagedbackend.layers.quantization import quantize_weight_fp8
+    wq, s = quantize_weight_fp8(torch.randn(24, 64, device=DEV) / 8)
+    favourite = gemv.FP8_WIDEN_CANDIDATES[1]
+    for rows in (1, 2):
+        timed = []
+
+        def time_us(fn):
+            fn()
+            cfg = fn.__defaults__[0] if fn.__defaults__ else None    # None: the baseline
+            timed.append(cfg)
+            return 10.0 if cfg is None else (1.0 if cfg == favourite else 9.0)
+        monkeypatch.setattr(gemv_tuning, "_time_us", time_us)
+        x = torch.randn(rows, 64, device=DEV)
+        choice = gemv_tuning._tune(x, wq, None, gemv.ADD_NORM, s)
+        widening = [c for c in timed if c is not None and len(c) > 5]
+        if rows == 1:
+            assert choice == favourite and set(widening) == set(gemv.FP8_WIDEN_CANDIDATES)
+        else:
+            assert choice != favourite and not widening
