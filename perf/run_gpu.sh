@@ -143,11 +143,12 @@ for s in $stages; do
              --ab fp8nofuse ;;
     w2fp8ab) run w2fp8ab 200 python3 perf/w2_fixed.py --shapes 128-128,2048-128 \
                --quantization fp8 --kv-cache-dtype fp8 --suffix fp8 --ab fp8nofuse ;;
-    # W5: transformers generate (10 s of it), transformers continuous batching (45 s at most),
+    # W5: transformers generate (20 s of it: its rate over a partial static batch is lower the
+    # shorter the cut), transformers continuous batching (40 s at most),
     # then our engine (bf16, as both); ~2.8 min. Offline hub: continuous batching looks for a
     # flash-attention kernel on the Hub when none is installed, which must fail fast here
     w5cb) run w5cb 180 env HF_HUB_OFFLINE=1 "$base_py" perf/w5_vs_transformers.py \
-            --hf-max-seconds 10 --cb-max-seconds 45 ;;
+            --hf-max-seconds 20 --cb-max-seconds 40 ;;
     # the fused quantizing norm / SiLU·mul against the separate kernels (512 and 8,192 rows),
     # and each widening one-row fp8 tile against the same tile with triton's cast, ~1.5 min
     fp8inbench) run fp8inbench 150 python3 perf/kernels_bench.py --only fp8in ;;
