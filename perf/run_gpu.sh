@@ -125,25 +125,29 @@ for s in $stages; do
     w5fp8w) run w5fp8w 280 python3 perf/w3_mix.py --model llama-3.1-8b --ab fp8w,fp8kv ;;
     correctnessfp8w) run correctnessfp8w 200 "$base_py" perf/gpu_correctness.py --dtypes bfloat16 --quantization fp8 ;;
     # issue 27 (fp8 past TensorRT-LLM's H200 figures, stronger baselines): one call of
-    # "w1fp8tiles w2fp8 w5cb" (~9.5 min), then "fp8quick correctnessfp8w" if time is left.
+    # "w1fp8tiles w2fp8 w5cb" (limits 240 + 170 + 180 s; ~8-9.5 min), then
+    # "fp8quick fp8inbench correctnessfp8w" (~6 min) if time is left.
     # GPU parity of the norm / SiLU·mul kernels that quantize for the FP8 GEMM and of the
-    # integer-widening one-row fp8 tiles (their PTX is compiled only here), ~1-1.5 min
-    fp8quick) run fp8quick 150 python3 -m pytest -q tests/test_fp8_kernels.py ;;
+    # integer-widening one-row fp8 tiles (their PTX is compiled only here), ~1.5-2 min
+    fp8quick) run fp8quick 180 python3 -m pytest -q tests/test_fp8_kernels.py ;;
     # W1 with fp8 weights, tiles tuned with the integer-widening ones, then without them
     # (fp8oldtiles); then the gpt-fast-style torch.compile decoder of the model in bf16, in the
-    # same process (its compile ~1-1.5 min); ~3.3 min
-    w1fp8tiles) run w1fp8tiles 210 python3 perf/w1_decode.py --quantization fp8 --suffix fp8 \
+    # same process (its compile ~1-1.5 min; W1's table is printed before it); ~3.5 min
+    w1fp8tiles) run w1fp8tiles 240 python3 perf/w1_decode.py --quantization fp8 --suffix fp8 \
                   --ab fp8oldtiles --compiled-baseline ;;
     # W2 with fp8 weights + fp8 KV: 128/128, 2048/128, 128/2048 with the per-token quantization
-    # in the RMSNorm / SiLU·mul kernels, then 128/128 and 2048/128 with it in its own kernel
-    # (fp8nofuse); one process, ~3 min
-    w2fp8) run w2fp8 195 python3 perf/w2_fixed.py --shapes 128-128,2048-128,128-2048 \
-             --ab-shapes 128-128,2048-128 --quantization fp8 --kv-cache-dtype fp8 --suffix fp8 \
+    # in the RMSNorm / SiLU·mul kernels, then 128/128 with it in its own kernel (fp8nofuse;
+    # w2fp8ab adds 2048/128 to that, ~25 s more); one process, ~2.7 min
+    w2fp8) run w2fp8 170 python3 perf/w2_fixed.py --shapes 128-128,2048-128,128-2048 \
+             --ab-shapes 128-128 --quantization fp8 --kv-cache-dtype fp8 --suffix fp8 \
              --ab fp8nofuse ;;
-    # W5: transformers generate (20 s of it), transformers continuous batching (40 s at most),
-    # then our engine (bf16, as both); ~2.7 min. Offline hub: continuous batching looks for a
+    w2fp8ab) run w2fp8ab 200 python3 perf/w2_fixed.py --shapes 128-128,2048-128 \
+               --quantization fp8 --kv-cache-dtype fp8 --suffix fp8 --ab fp8nofuse ;;
+    # W5: transformers generate (20 s of it: its rate over a partial static batch is lower the
+    # shorter the cut), transformers continuous batching (40 s at most),
+    # then our engine (bf16, as both); ~2.8 min. Offline hub: continuous batching looks for a
     # flash-attention kernel on the Hub when none is installed, which must fail fast here
-    w5cb) run w5cb 185 env HF_HUB_OFFLINE=1 "$base_py" perf/w5_vs_transformers.py \
+    w5cb) run w5cb 180 env HF_HUB_OFFLINE=1 "$base_py" perf/w5_vs_transformers.py \
             --hf-max-seconds 20 --cb-max-seconds 40 ;;
     # the fused quantizing norm / SiLU·mul against the separate kernels (512 and 8,192 rows),
     # and each widening one-row fp8 tile against the same tile with triton's cast, ~1.5 min

@@ -147,7 +147,7 @@ def test_layers_fused_quant_path_equals_the_separate_one(monkeypatch):
 def test_skinny_fp8_integer_widening_gives_the_same_sums(prologue):
     """WIDEN 1 (triton-language bit placement) and 2 (PTX; on the CPU interpreter it runs 1)
     against the same tile widening with triton's cast: equal sums, zeros and e4m3 subnormals
-    included, at 1 row (the tuner's use) and 3."""
+    included, at 1 row (the tuner's use) and, on the CPU, 3."""
     from pagedbackend.kernels import gemv
     from pagedbackend.layers.quantization import quantize_weight_fp8
     n, k = (4096, 4096) if CUDA else (40, 200)
@@ -158,8 +158,9 @@ def test_skinny_fp8_integer_widening_gives_the_same_sums(prologue):
     assert ((wq.view(torch.uint8) & 0x78) == 0).logical_and(wq.float() != 0).any()
     dt = torch.bfloat16 if CUDA else torch.float32
     kind = {"plain": gemv.PLAIN, "add_norm": gemv.ADD_NORM, "silu_mul": gemv.SILU_MUL}[prologue]
+    # on the GPU every tile (the PTX included) at one row, the tuner's use: each is a compile
     tiles = gemv.FP8_WIDEN_CANDIDATES if CUDA else gemv.FP8_WIDEN_CANDIDATES[:2]
-    for m in (1, 3):
+    for m in ((1,) if CUDA else (1, 3)):
         x = torch.randn(m, 2 * k if kind == gemv.SILU_MUL else k, device=DEV).to(dt)
         r = torch.randn(m, k, device=DEV).to(dt)
         g = (1 + 0.3 * torch.randn(k, device=DEV)).to(dt)
@@ -176,3 +177,30 @@ def test_skinny_fp8_integer_widening_gives_the_same_sums(prologue):
                 assert err < 1e-6, (cfg, m, err)
             else:
                 assert torch.equal(y, ref), (cfg, m)
+
+
+@pytest.mark.skipif(CUDA, reason="the choice logic alone (timings scripted): the CPU covers it, "
+                    "and on the GPU it would compile every tile for nothing")
+def test_tuner_tries_the_widening_tiles_at_one_row_only(monkeypatch):
+    """With fp8 weights the tuner times the integer-widening tiles at one row (and may choose
+    one), never at more rows; tiles are timed in their fused form as the others."""
+    from pagedbackend.kernels import gemv, gemv_tuning
+    from pagedbackend.layers.quantization import quantize_weight_fp8
+    wq, s = quantize_weight_fp8(torch.randn(24, 64, device=DEV) / 8)
+    favourite = gemv.FP8_WIDEN_CANDIDATES[1]
+    for rows in (1, 2):
+        timed = []
+
+        def time_us(fn):
+            fn()
+            cfg = fn.__defaults__[0] if fn.__defaults__ else None    # None: the baseline
+            timed.append(cfg)
+            return 10.0 if cfg is None else (1.0 if cfg == favourite else 9.0)
+        monkeypatch.setattr(gemv_tuning, "_time_us", time_us)
+        x = torch.randn(rows, 64, device=DEV)
+        choice = gemv_tuning._tune(x, wq, None, gemv.ADD_NORM, s)
+        widening = [c for c in timed if c is not None and len(c) > 5]
+        if rows == 1:
+            assert choice == favourite and set(widening) == set(gemv.FP8_WIDEN_CANDIDATES)
+        else:
+            assert choice != favourite and not widening

@@ -45,10 +45,12 @@ FP8_CANDIDATES = ((8, 1024, 4, 5), (16, 512, 4, 6), (4, 2048, 4, 4), (8, 1024, 8
 # One-row tiles for fp8 weights that widen e4m3 to fp32 with integer ops instead of triton's
 # conversion (e4m3 -> fp16 -> fp32), which left W1's fp8 step at 60% of HBM bandwidth where bf16
 # reads at 85% (calls 41-42): a sixth element WIDEN, 1 in triton-language, 2 in PTX (see
-# _widen_e4m3). Same sums, bit for bit, as the tile without it.
+# _widen_e4m3). Same sums, bit for bit, as the tile without it. The wider ones (32 or 16 rows
+# of 1-byte weights per program) spread the fused prologue's input loads over more weights.
 FP8_WIDEN_CANDIDATES = ((8, 1024, 4, 3, False, 1), (8, 1024, 4, 3, False, 2),
                         (16, 512, 4, 4, False, 1), (16, 512, 4, 4, False, 2),
-                        (4, 2048, 4, 4, False, 2), (8, 1024, 4, 5, False, 2))
+                        (4, 2048, 4, 4, False, 2), (8, 1024, 4, 5, False, 2),
+                        (32, 256, 4, 4, False, 2), (16, 1024, 8, 3, False, 2))
 # The tensor-core tiles compute any row count up to this (BLOCK_M = rows rounded up to a power
 # of two, at least 16); the engine hands the kernel at most MAX_ROWS. perf/gemm_bench.py
 # --triton times them against cuBLAS at wider steps, in bf16: in fp32 a 64-row input tile of
