@@ -57,7 +57,18 @@ def test_rms_norm_quant_equals_norm_then_quantize(residual, dtype):
         h = norm.rms_norm(x, g, 1e-5)
         assert new_r is None
     assert q.shape == (rows, n) and s.shape == (rows, 1)
-    assert_same_quantized((q, s), quant.quantize_rows_fp8(h.reshape(rows, n)))
+    want = quant.quantize_rows_fp8(h.reshape(rows, n))
+    if CUDA and dtype == torch.float32:
+        # In fp32 nothing rounds the normed row, and the quantizing specialization of the norm
+        # kernel may sum the squares in another order than the plain one (the H200 showed
+        # scales one ulp apart): the same rows within that ulp, the codes at most one e4m3
+        # step apart. In bf16 the rounding to the activation dtype makes them equal (below).
+        rel = ((s - want[1]).abs() / want[1]).max()
+        assert rel <= 2 ** -21
+        steps = (q.view(torch.uint8).int() - want[0].view(torch.uint8).int()).abs()
+        assert steps.max() <= 1 and (steps == 0).float().mean() > 0.999
+    else:
+        assert_same_quantized((q, s), want)
     assert (q[rows // 2].float() == 0).all()
     # and the rows it stands for are the norm's, within e4m3's rounding (half a step, 1/16
     # relative; the interpreter's e4m3 carry quirk, test_kernels.py, halves a few values)
@@ -92,6 +103,8 @@ def test_silu_and_mul_quant_equals_activation_then_quantize(dtype):
                               quant.quantize_rows_fp8(act.silu_and_mul(wide).reshape(4, i)))
 
 
+@pytest.mark.skipif(CUDA, reason="the CPU path: torch's CPU _scaled_mm takes per-channel "
+                    "scales from torch 2.13 (the Makefile's CPU build) on, not the GPU host's")
 def test_fp8_norm_and_silu_linear_compose_the_separate_steps():
     """The layer functions (plain torch off CUDA): the same numbers as norm, then fp8_linear."""
     from pagedbackend.layers import fp8_inputs
