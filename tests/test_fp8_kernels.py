@@ -61,8 +61,8 @@ def test_rms_norm_quant_equals_norm_then_quantize(residual, dtype):
     if CUDA and dtype == torch.float32:
         # In fp32 nothing rounds the normed row, and the quantizing specialization of the norm
         # kernel may sum the squares in another order than the plain one (the H200 showed
-        # scales apart in their last bits): the same scales within 4 ulps, the codes at most one e4m3
-        # step apart. In bf16 the rounding to the activation dtype makes them equal (below).
+        # scales apart in their last bits): the same scales within 4 ulps, the codes at most
+        # one e4m3 step apart. In bf16 the rounding to the activation dtype makes them equal.
         rel = ((s - want[1]).abs() / want[1]).max()
         assert rel <= 2 ** -21
         steps = (q.view(torch.uint8).int() - want[0].view(torch.uint8).int()).abs()
