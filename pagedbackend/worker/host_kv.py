@@ -190,7 +190,6 @@ class HostKVCache:
         return to_device_async(torch.tensor(list(ids), dtype=torch.long), self.device)
 
 
-
 def _widest(nbytes: int) -> torch.dtype:
     return next(d for d, n in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2),
                                (torch.uint8, 1)) if nbytes % n == 0)
