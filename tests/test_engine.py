@@ -274,7 +274,8 @@ def test_llm_takes_vllm_call_shapes(llama_dir):
     a = llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, greedy, use_tqdm=False)
     b = llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, greedy, use_tqdm=True)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-    with pytest.raises(ValueError, match=r"^swap_space=4 is invalid: must be an engine setting"):
-        LLM(llama_dir, swap_space=4)
+    with pytest.raises(ValueError,
+                       match=r"^cpu_offload_gb=4 is invalid: must be an engine setting"):
+        LLM(llama_dir, cpu_offload_gb=4)
     with pytest.raises(ValueError, match="^continue_final_message="):
         llm.chat([{"role": "user", "content": "hi"}], greedy, continue_final_message=True)

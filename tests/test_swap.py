@@ -68,13 +68,22 @@ def test_swap_gives_recompute_tokens_under_heavy_preemption(checkpoints, arch):
     assert st.preemptions_swap + st.preemptions_recompute == st.num_preemptions
 
 
-def test_auto_and_async_scheduling_give_the_same_tokens(checkpoints):
+def test_auto_and_async_scheduling_give_the_same_tokens(checkpoints, monkeypatch):
+    """auto with a fixed cost per swap that makes the tiny model swap contexts of 24 tokens or
+    more and recompute shorter ones: both kinds in one run, the same tokens."""
+    from pagedbackend.worker import host_kv
+    monkeypatch.setitem(host_kv.RATES, "cpu", {**host_kv.RATES["cpu"], "fixed_s": 2.8e-5})
     batch = prompts(1, count=8)
     want = generate(LLM(checkpoints["llama"], **ENGINE), batch)
     for kw in (dict(preemption_mode="auto"), dict(preemption_mode="swap", async_scheduling=True)):
         llm = swap_llm(checkpoints["llama"], **kw)
+        cost = llm.engine.scheduler.host.cost
+        assert not cost.prefers_swap(23) and cost.prefers_swap(24)
         assert generate(llm, batch) == want, kw
-        assert llm.engine.stats().num_preemptions > 0
+        st = llm.engine.stats()
+        assert st.preemptions_swap > 0, kw
+        if kw["preemption_mode"] == "auto":
+            assert st.preemptions_recompute > 0
 
 
 def test_swapped_kv_equals_the_original_bit_for_bit(checkpoints):

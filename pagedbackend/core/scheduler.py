@@ -238,7 +238,8 @@ class Scheduler:
             self.swapped.pop()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled[req.request_id] = ScheduledRequest.of(req, n, self.kv.block_ids(req.request_id))
+            scheduled[req.request_id] = ScheduledRequest.of(req, n,
+                                                            self.kv.block_ids(req.request_id))
             budget -= n
         return budget
 

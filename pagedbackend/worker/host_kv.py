@@ -8,7 +8,8 @@ waits for the copies (an event), so no block is read before its copy lands. Swap
 a GPU block a swap-out reads may be a swap-in's target in the same step. Each direction is one
 gather (or scatter) over every layer's K and V at once on the device, through a staging buffer
 allocated before the KV cache is sized, and one host copy per run of consecutive host blocks
-(the host pool hands out its lowest free ids, so a step's blocks are mostly one run). With
+(the host pool hands out its lowest free ids, and the pairs are taken in host order, so a
+step's blocks are mostly a few runs). With
 tensor parallelism each rank copies its own shard. On the CPU the same copies run in place.
 """
 from __future__ import annotations
@@ -172,6 +173,11 @@ class HostKVCache:
         compute.wait_stream(self.stream)
 
     def _copies(self, swap_out: list, swap_in: list) -> None:
+        # In host order (stable: a host block written twice keeps its last write), so the host
+        # side moves runs of consecutive blocks: a request's blocks are freed last first, so
+        # their offloads take host ids in the reverse of their GPU order.
+        swap_out = sorted(swap_out, key=lambda p: p[1])
+        swap_in = sorted(swap_in, key=lambda p: p[1])
         size = self.staging.shape[0]
         for i in range(0, len(swap_out), size):
             chunk = swap_out[i:i + size]
@@ -188,7 +194,6 @@ class HostKVCache:
 
     def _ids(self, ids) -> torch.Tensor:
         return to_device_async(torch.tensor(list(ids), dtype=torch.long), self.device)
-
 
 
 def _widest(nbytes: int) -> torch.dtype:
