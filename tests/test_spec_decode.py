@@ -126,8 +126,9 @@ def test_seeded_sampling_repeats_and_n_children_each_speculate(ckpts):
     assert first[2] == ref[0]
 
 
-def test_rows_that_opt_out_match_no_speculation(ckpts):
-    """Penalties, logprobs and min_tokens rows run without drafts beside rows with them."""
+def test_opt_out_rows_and_logprobs_match_no_speculation(ckpts):
+    """Penalties and min_tokens rows run without drafts beside rows with them; logprobs rows
+    speculate and get one entry per accepted token, as without drafts."""
     batch = repeating_prompts(5, count=4)
     params = [SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3,
                              ignore_eos=True),
@@ -140,8 +141,12 @@ def test_rows_that_opt_out_match_no_speculation(ckpts):
     got = llm.generate(batch, params)
     no_leak(llm)
     assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in ref]
-    assert [sorted(x) for x in got[1].outputs[0].logprobs] == \
-        [sorted(x) for x in ref[1].outputs[0].logprobs]
+    g, w = got[1].outputs[0], ref[1].outputs[0]
+    assert len(g.logprobs) == len(g.token_ids)
+    assert [sorted(x) for x in g.logprobs] == [sorted(x) for x in w.logprobs]
+    for a, b in zip(g.logprobs, w.logprobs):
+        assert [a[t] for t in sorted(a)] == pytest.approx([b[t] for t in sorted(b)], abs=1e-4)
+    assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
     assert llm.engine.drafter.stats.num_drafts > 0
 
 
