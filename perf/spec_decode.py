@@ -19,7 +19,7 @@ import os
 import random
 import time
 
-from common import dummy_model_dir, print_table, random_prompts, timed, write_result
+from common import ROOT, dummy_model_dir, print_table, random_prompts, timed, write_result
 
 PARAGRAPH = ("The committee met on Tuesday to review the budget for the coming year. After a "
              "long discussion, the members agreed to increase funding for the public library, "
@@ -149,7 +149,7 @@ def main():
     ap.add_argument("--cpu", action="store_true", help="SmolLM2 on the CPU (real weights)")
     ap.add_argument("--model", default="llama-3.1-8b",
                     help="a perf/configs name or a model directory (dummy weights)")
-    ap.add_argument("--cpu-model", default="models/smollm2-135m-instruct")
+    ap.add_argument("--cpu-model", default=os.path.join(ROOT, "models/smollm2-135m-instruct"))
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-kv-blocks", type=int, default=4096)
     ap.add_argument("--skip-draft", action="store_true")

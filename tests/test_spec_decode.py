@@ -76,9 +76,11 @@ def test_greedy_ngram_and_draft_model_equal_no_speculation(ckpts, arch):
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_greedy_equal_under_preemption_prefix_hits_and_chunked_prefill(ckpts, method):
     batch = repeating_prompts(2, count=8)
-    kw = dict(block_size=4, num_kv_blocks=28, max_num_batched_tokens=12, max_num_seqs=8,
+    kw = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=12, max_num_seqs=8,
               max_model_len=96)
-    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": ckpts["draft"],
+    # the draft model is the target itself: a draft K/V cache out of step with the request
+    # (after a preemption, a prefix hit, rejected drafts) would show as a rejected draft
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": ckpts["llama"],
                                             "num_speculative_tokens": 3}
     _, ref = run(ckpts["llama"], batch, GREEDY, **kw)
     llm, got = run(ckpts["llama"], batch, GREEDY, spec, **kw)
@@ -86,7 +88,10 @@ def test_greedy_equal_under_preemption_prefix_hits_and_chunked_prefill(ckpts, me
     st = llm.engine.stats()
     assert st.num_preemptions > 0, "the pool was meant to force preemption"
     assert st.prefix_cache_hits > 0
-    assert llm.engine.drafter.stats.num_drafts > 0
+    sd = llm.engine.drafter.stats
+    assert sd.num_drafts > 0
+    if method == "draft_model":
+        assert sd.num_accepted_tokens == sd.num_draft_tokens
 
 
 def test_draft_identical_to_target_accepts_every_draft(ckpts):
@@ -126,8 +131,9 @@ def test_seeded_sampling_repeats_and_n_children_each_speculate(ckpts):
     assert first[2] == ref[0]
 
 
-def test_rows_that_opt_out_match_no_speculation(ckpts):
-    """Penalties, logprobs and min_tokens rows run without drafts beside rows with them."""
+def test_opt_out_rows_and_logprobs_match_no_speculation(ckpts):
+    """Penalties and min_tokens rows run without drafts beside rows with them; logprobs rows
+    speculate and get one entry per accepted token, as without drafts."""
     batch = repeating_prompts(5, count=4)
     params = [SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3,
                              ignore_eos=True),
@@ -140,8 +146,12 @@ def test_rows_that_opt_out_match_no_speculation(ckpts):
     got = llm.generate(batch, params)
     no_leak(llm)
     assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in ref]
-    assert [sorted(x) for x in got[1].outputs[0].logprobs] == \
-        [sorted(x) for x in ref[1].outputs[0].logprobs]
+    g, w = got[1].outputs[0], ref[1].outputs[0]
+    assert len(g.logprobs) == len(g.token_ids)
+    assert [sorted(x) for x in g.logprobs] == [sorted(x) for x in w.logprobs]
+    for a, b in zip(g.logprobs, w.logprobs):
+        assert [a[t] for t in sorted(a)] == pytest.approx([b[t] for t in sorted(b)], abs=1e-4)
+    assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
     assert llm.engine.drafter.stats.num_drafts > 0
 
 
@@ -175,6 +185,19 @@ def test_abort_in_the_middle_of_a_verification_frees_everything(ckpts):
     for rid in deltas:
         assert deltas[rid] == finals[rid].outputs[0].token_ids
     no_leak(eng)
+
+
+def test_async_scheduling_with_drafts_equals_without(ckpts):
+    """Async scheduling on (as on a GPU): steps while the drafter is off (too many requests)
+    overlap, steps with it land first; greedy output as without speculation."""
+    batch = repeating_prompts(7, count=4)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 8, 20, 20)]
+    _, ref = run(ckpts["llama"], batch, params, num_kv_blocks=96)
+    llm, got = run(ckpts["llama"], batch, params, dict(NGRAM, disable_by_batch_size=3),
+                   num_kv_blocks=96, async_scheduling=True)
+    assert llm.engine.async_scheduling is True
+    assert got == ref
+    assert llm.engine.drafter.stats.num_drafts > 0
 
 
 def test_disable_by_batch_size_turns_drafts_off(ckpts):

@@ -193,3 +193,33 @@ def test_greedy_verification_accepts_the_argmax_prefix():
     out = rejection_sample(logits, meta, torch.tensor([1, 2, -1, 0, -1]),
                            torch.tensor([0, 0, 0, 1, 1]), torch.tensor([0, 1, 2, 0, 1]), 2, 3)
     assert out.tolist() == [[1, 0, -1], [0, 1, -1]]
+
+
+# -- metrics -------------------------------------------------------------------------------
+def test_spec_decode_counters_publish_the_growth_of_the_engine_totals():
+    from test_serving_metrics import FakeFamilies
+
+    from pagedbackend.serving.metrics import ServingMetrics
+    from pagedbackend.spec_decode.drafter import SpecDecodeStats
+
+    fams = FakeFamilies()
+    m = ServingMetrics(fams, "m", num_speculative_tokens=2)
+
+    def snap(drafts, tokens, accepted, per_pos):
+        return SimpleNamespace(num_running=1, num_waiting=0, kv_cache_usage=0.1,
+                               num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0,
+                               spec_decode=SpecDecodeStats(drafts, tokens, accepted, per_pos))
+    m.apply_batch([("stats", snap(3, 6, 4, [3, 1]))])
+    m.apply_batch([("stats", snap(5, 10, 7, [5, 2]))])
+    m.apply_batch([("stats", snap(5, 10, 7, [5, 2]))])          # nothing new: no calls
+
+    def total(name, **labels):
+        return fams.metrics[(name, tuple(sorted({"model_name": "m", **labels}.items())))].total
+    assert total("vllm:spec_decode_num_drafts_total") == 5
+    assert total("vllm:spec_decode_num_draft_tokens_total") == 10
+    assert total("vllm:spec_decode_num_accepted_tokens_total") == 7
+    assert [total("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+            for i in range(2)] == [5, 2]
+    plain = FakeFamilies()
+    ServingMetrics(plain, "m")
+    assert not any("spec_decode" in name for name, _ in plain.metrics)

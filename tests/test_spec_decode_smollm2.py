@@ -46,7 +46,7 @@ def test_copying_task_same_greedy_text_and_drafts_accepted(ref, spec):
 def test_stop_string_inside_accepted_drafts_cuts_the_same_text(ref, spec, stop):
     want = ref[0]
     assert stop in want.text
-    got = spec.chat(TASKS[:1], GREEDY.clone(stop=[stop]))[0].outputs[0]
+    got = spec.chat(TASKS[:1], GREEDY.clone(stop=[stop], logprobs=1))[0].outputs[0]
     assert got.text == want.text[:want.text.index(stop)]
     assert (got.finish_reason, got.stop_reason) == ("stop", stop)
     # the tokens end with the one that completed the stop string, as without drafts
@@ -54,6 +54,10 @@ def test_stop_string_inside_accepted_drafts_cuts_the_same_text(ref, spec, stop):
     assert got.token_ids == want.token_ids[:n]
     assert stop in spec.engine.tokenizer.decode(want.token_ids[:n])
     assert stop not in spec.engine.tokenizer.decode(want.token_ids[:n - 1])
+    # the dropped tokens' logprobs went with them
+    assert len(got.logprobs) == n
+    assert got.cumulative_logprob == pytest.approx(
+        sum(e[t] for e, t in zip(got.logprobs, got.token_ids)), abs=1e-4)
     no_leak(spec)
 
 

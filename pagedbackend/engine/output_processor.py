@@ -92,9 +92,13 @@ class OutputProcessor:
             if g.first_token_time is None:
                 g.first_token_time = now
             if s.logprobs is not None and req.request_id in logprobs:
-                sampled_lp, top = logprobs[req.request_id]
-                s.logprobs.append(top)
-                s.cumulative_logprob += sampled_lp
+                got = logprobs[req.request_id]
+                # several tokens after a speculative step (a list; the request may have kept
+                # fewer: a stop token), else one
+                got = got if isinstance(got, list) else [got]
+                for sampled_lp, top in got[:req.num_output_tokens - len(s.logprobs)]:
+                    s.logprobs.append(top)
+                    s.cumulative_logprob += sampled_lp
             if not g.build_text:
                 continue
             ids = req.all_token_ids
@@ -106,10 +110,22 @@ class OutputProcessor:
                 s.text += delta
                 if delta and g.params.stop and s.num_decoded >= g.params.min_tokens \
                         and self._apply_stop_strings(g, s, len(delta)):
-                    req.drop_last_tokens(end - i - 1)
+                    self._drop_tokens(s, req, end - i - 1)
                     stopped.append(req.request_id)
                     break
         return stopped
+
+    @staticmethod
+    def _drop_tokens(s: _Seq, req: Request, n: int) -> None:
+        """A stop string ended n tokens before the newest (a speculative step's): forget
+        them, with their logprobs."""
+        if n <= 0:
+            return
+        if s.logprobs is not None:
+            for tok, entry in zip(req.output_token_ids[-n:], s.logprobs[-n:]):
+                s.cumulative_logprob -= entry[tok]
+            del s.logprobs[-n:]
+        req.drop_last_tokens(n)
 
     def _apply_stop_strings(self, g: _Group, s: _Seq, delta_len: int) -> bool:
         # A new match must end inside the newest delta, so only that tail needs searching.

@@ -48,7 +48,8 @@ class DraftRunner:
         if self.runner.device.type == "cuda":
             self._capture(engine_config, engine.info.max_model_len)
         self.scheduler = engine.scheduler
-        self.valid: dict[str, tuple[int, int]] = {}   # id -> (valid, num_preemptions)
+        # request id -> (valid, its num_preemptions then, the Request): ids can be reused
+        self.valid: dict[str, tuple[int, int, Any]] = {}
 
     def _capture(self, engine_config: Any, max_model_len: int) -> None:
         """CUDA graphs for the draft's one-token steps (k - 1 of them per proposal), and its
@@ -65,8 +66,8 @@ class DraftRunner:
         COMPILES.arm()
 
     def _valid(self, req: Any) -> int:
-        v, preempted = self.valid.get(req.request_id, (0, req.num_preemptions))
-        return v if preempted == req.num_preemptions else 0
+        v, preempted, owner = self.valid.get(req.request_id, (0, 0, None))
+        return v if owner is req and preempted == req.num_preemptions else 0
 
     @torch.inference_mode()
     def propose(self, sched: Any) -> None:
@@ -92,9 +93,11 @@ class DraftRunner:
         for s, row, k, end in zip(rows, table, ks, ends):
             s.spec_token_ids[:] = row[:k]
             # fed: positions up to end + k - 2 (the last draft is never fed)
-            self.valid[s.request.request_id] = (end + k - 1, s.request.num_preemptions)
+            self.valid[s.request.request_id] = (end + k - 1, s.request.num_preemptions,
+                                                s.request)
         if len(self.valid) > 2 * len(self.scheduler.requests) + 64:
-            self.valid = {r: v for r, v in self.valid.items() if r in self.scheduler.requests}
+            live = self.scheduler.requests
+            self.valid = {r: v for r, v in self.valid.items() if live.get(r) is v[2]}
 
     def _step(self, rows: list, tokens, starts: list[int], ends: list[int],
               prev_rows: list[int] = (), prev: Any = None) -> torch.Tensor:
@@ -124,5 +127,5 @@ class DraftRunner:
         """A verification of req's drafts (scheduled from position start) accepted
         num_accepted: draft K/V past the last accepted draft is not the request's."""
         entry = self.valid.get(req.request_id)
-        if entry is not None:
-            self.valid[req.request_id] = (min(entry[0], start + 1 + num_accepted), entry[1])
+        if entry is not None and entry[2] is req:
+            self.valid[req.request_id] = (min(entry[0], start + 1 + num_accepted), *entry[1:])

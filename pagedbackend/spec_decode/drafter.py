@@ -3,7 +3,7 @@ drafts themselves (from a proposer), and vLLM's acceptance counters.
 
 A request speculates only while it decodes (its last token is the one to run) and when its
 sampling reads nothing that a draft would change: no penalties, grammar, multi-token bad words
-or prompt logprobs (Request.needs_all_tokens), no logprobs, min_tokens reached. The others run
+or prompt logprobs (Request.needs_all_tokens), min_tokens reached. The others run
 as without speculation, in the same steps."""
 from __future__ import annotations
 
@@ -32,8 +32,7 @@ class SpecDecodeStats:
 def speculates(req: Request) -> bool:
     """Whether drafts for this request can be verified exactly by verify.py."""
     p = req.sampling_params
-    return (not req.needs_all_tokens and p.logprobs is None
-            and req.num_output_tokens >= p.min_tokens)
+    return not req.needs_all_tokens and req.num_output_tokens >= p.min_tokens
 
 
 def make_drafter(engine_config: Any, engine: Any) -> "Drafter":

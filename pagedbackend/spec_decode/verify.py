@@ -10,13 +10,14 @@ accepted, a sample at the bonus position) is the row's new token. Seeded request
 uniforms and noise from their own generator, so they repeat."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from pagedbackend.layers.sampler import (_apply_penalties, _exponential_noise, _sampling_logits,
-                                         argmax)
+from pagedbackend.layers.sampler import (LogprobsOutput, _apply_penalties, _exponential_noise,
+                                         _sampling_logits, argmax)
 from pagedbackend.layers.sampling_metadata import SamplingMetadata, to_device_async
 from pagedbackend.layers.token_controls import apply_logit_bias, apply_masks
 
@@ -93,17 +94,58 @@ def launch_verification(runner: Any, sched: Any, h: Any, logits: torch.Tensor, s
     idx_d, drafts_d, rows_d, pos_d = (to_device_async(torch.from_numpy(np.asarray(a, np.int64)),
                                                       device) for a in (idx, drafts, rows, pos))
     meta = _metadata(runner, reqs_s, ks_s, logits.shape[-1])
-    parts.append(rejection_sample(logits.index_select(0, idx_d), meta, drafts_d, rows_d, pos_d,
-                                  len(spec), width))
+    spec_logits = logits.index_select(0, idx_d)
+    toks = rejection_sample(spec_logits, meta, drafts_d, rows_d, pos_d, len(spec), width)
+    parts.append(toks)
     ids = torch.cat(parts) if len(parts) > 1 else parts[0]
     reqs = [scheduled[i].request for i in plain] + reqs_s
+    verified = Verification(len(plain), ks_s)
+    if meta.max_num_logprobs is not None:
+        verified.logprobs = _logprobs(spec_logits, toks[rows_d, pos_d].clamp(min=0), meta)
     if device.type != "cuda":
-        return Launched(reqs, ids, logprobs=logprobs, prompt_logprobs=plp, verified=True)
+        return Launched(reqs, ids, logprobs=logprobs, prompt_logprobs=plp, verified=verified)
     host = torch.empty(ids.shape, dtype=torch.long, pin_memory=True)
     host.copy_(ids, non_blocking=True)
     done = torch.cuda.Event(enable_timing=start is not None)
     done.record()
-    return Launched(reqs, host, done, start, logprobs, plp, verified=True)
+    return Launched(reqs, host, done, start, logprobs, plp, verified=verified)
+
+
+@dataclass
+class Verification:
+    """What finish() needs of a verification step: where its verifying rows start among the
+    Launched's reqs, their draft counts, and (when a row asked) every position's logprobs."""
+    first: int
+    ks: list[int]
+    logprobs: Optional[LogprobsOutput] = None
+
+
+def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, meta: SamplingMetadata
+              ) -> LogprobsOutput:
+    """The sampler's logprobs (raw log_softmax: the chosen token, then the top-k) at every
+    verified position, for the tokens the verification kept there."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top_lp, top_ids = lp.topk(meta.max_num_logprobs, dim=-1)
+    return LogprobsOutput(token_ids=torch.cat([chosen[:, None], top_ids], dim=1),
+                          logprobs=torch.cat([lp.gather(1, chosen[:, None]), top_lp], dim=1),
+                          num_logprobs=meta.num_logprobs)
+
+
+def finish_verification(v: Verification, reqs: list, rows: list[list[int]]
+                        ) -> tuple[list[int], dict[str, list[int]], dict[str, list]]:
+    """A verification step's token rows -> (each row's new token, request id -> the drafts it
+    accepted, request id -> [(logprob, entry)] of each token it got, for rows that asked)."""
+    last, accepted, logprobs = split_rows(reqs, rows)
+    if v.logprobs is None:
+        return last, accepted, logprobs
+    entries, at = v.logprobs.tolists(), 0
+    for r, row, k in zip(reqs[v.first:], rows[v.first:], v.ks):
+        toks = [t for t in row if t >= 0]
+        got = entries[at:at + len(toks)]
+        if got and got[0] is not None:
+            logprobs[r.request_id] = [(e[t], e) for t, e in zip(toks, got)]
+        at += k + 1
+    return last, accepted, logprobs
 
 
 def _metadata(runner: Any, reqs: list, ks: list[int], vocab_size: int) -> SamplingMetadata:
@@ -122,13 +164,12 @@ def _metadata(runner: Any, reqs: list, ks: list[int], vocab_size: int) -> Sampli
                   if any(r.grammar is not None for r in reqs) else None))
 
 
-def split_rows(reqs: list, rows: list[list[int]]) -> tuple[list[int], dict[str, list[int]]]:
-    """A verification step's token rows -> (each row's new token, request id -> the drafts it
-    accepted)."""
+def split_rows(reqs: list, rows: list[list[int]]) -> tuple[list[int], dict[str, list[int]],
+                                                           dict]:
     last, accepted = [], {}
     for r, row in zip(reqs, rows):
         toks = [t for t in row if t >= 0]
         last.append(toks[-1])
         if len(toks) > 1:
             accepted[r.request_id] = toks[:-1]
-    return last, accepted
+    return last, accepted, {}

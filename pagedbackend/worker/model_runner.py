@@ -50,7 +50,9 @@ class Launched:
     start: Any = None                   # CUDA timing event before the step's first upload
     logprobs: Any = None
     prompt_logprobs: Any = None         # PromptLogprobs, on the device
-    verified: bool = False              # ids is [R, 1 + k]: each row's tokens, -1 padded
+    # a verification step (spec_decode/verify.Verification): ids is [R, 1 + k], each row's
+    # tokens, -1 padded
+    verified: Any = None
 
 
 def make_attn_backend(device: torch.device):
@@ -346,10 +348,10 @@ class ModelRunner:
         if launched.start is not None:
             self.gpu_busy_s += launched.start.elapsed_time(launched.done) / 1e3
         reqs = launched.reqs
-        accepted = {}
-        if launched.verified:
-            from pagedbackend.spec_decode.verify import split_rows
-            ids, accepted = split_rows(reqs, ids)
+        accepted, spec_logprobs = {}, {}
+        if launched.verified is not None:
+            from pagedbackend.spec_decode.verify import finish_verification
+            ids, accepted, spec_logprobs = finish_verification(launched.verified, reqs, ids)
         result = RunnerResult({r.request_id: t for r, t in zip(reqs, ids)}, accepted=accepted)
         if launched.prompt_logprobs is not None:
             result.prompt_logprobs = launched.prompt_logprobs.tolists()
@@ -357,6 +359,7 @@ class ModelRunner:
             for r, tok, entry in zip(reqs, ids, launched.logprobs.tolists()):
                 if entry is not None:
                     result.logprobs[r.request_id] = (entry[tok], entry)
+        result.logprobs.update(spec_logprobs)     # a list of entries: one per token
         return result
 
     def _generator(self, req) -> Optional[torch.Generator]:
