@@ -102,3 +102,18 @@ def test_skinny_linear_reads_int8_weights(cfg):
         x = torch.randn(m, k, device=DEV).bfloat16()
         y = skinny_linear(x, wq, None, cfg, weight_scale=s)
         assert y.dtype == torch.bfloat16 and rel_err(y, x.float() @ w.t()) < 1e-2, m
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (8, 32)])
+def test_packed_gemm_tiles_rows(bits, group):
+    """The same kernel over row tiles (GEMM_CANDIDATES' form) for steps wider than 8 rows,
+    rows not a multiple of the tile."""
+    n, k = (4096, 4096) if CUDA else (40, 128)
+    cfgs = gemv_w4.GEMM_CANDIDATES if CUDA else ((32, 64, 4, 2, True, 16),)
+    pw = packed_weight(n, k, bits, group)
+    w = torch_dequantize(pw)
+    x = torch.randn(300 if CUDA else 37, k, device=DEV).bfloat16()
+    b = torch.randn(n, device=DEV).bfloat16()
+    for cfg in cfgs:
+        y = gemv_w4.packed_gemv(x, pw, b, cfg)
+        assert rel_err(y, x.float() @ w.t() + b.float()) < 1e-2, cfg

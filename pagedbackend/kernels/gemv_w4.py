@@ -9,9 +9,11 @@ the codes are unpacked and dequantized in registers ((q - z) * s in fp32, exact)
 by the 16-bit input, broadcast products at one row, tensor-core dots (input tile padded to 16
 rows) at more. The tile is timed on the device per shape at first use (the GEMV tuner's
 timer), as gemv_tuning does for the 16-bit kernel.
-Wider steps dequantize the weight into a 16-bit buffer (one kernel, each byte read once) and
-run cuBLAS on it: at hundreds of rows the matmul is compute-bound and the dequantization's
-extra traffic (2.5 bytes per weight) is a small part of it.
+Wider steps run either the same kernel as a tiled GEMM (row tiles of 64-128, the dequantized
+weight tile fed to the tensor cores) or dequantize the weight into a 16-bit buffer (one kernel,
+each byte read once) and run cuBLAS on it, whichever was timed faster for the rows bucket: at
+hundreds of rows the matmul is compute-bound and the dequantization's extra traffic (2.5 bytes
+per weight) is a small part of it.
 """
 from __future__ import annotations
 
@@ -27,10 +29,16 @@ from pagedbackend.kernels.common import dot_precision, mma
 logger = logging.getLogger("pagedbackend")
 
 MAX_ROWS = 8
-# (BLOCK_N, BLOCK_K, num_warps, num_stages[, dot]); BLOCK_K is capped at the group size
+# (BLOCK_N, BLOCK_K, num_warps, num_stages[, dot[, BLOCK_M]]); BLOCK_K is capped at the group
+# size
 CANDIDATES = ((64, 128, 4, 4), (32, 128, 4, 4), (128, 64, 4, 4), (16, 128, 2, 4),
               (64, 64, 4, 6), (128, 128, 8, 3))
 DOT_CANDIDATES = ((64, 128, 4, 4, True), (32, 128, 4, 4, True), (128, 64, 4, 4, True))
+# wider steps: the same kernel as a tiled GEMM (a grid over row tiles of BLOCK_M), timed per
+# rows bucket against dequantize + cuBLAS
+GEMM_CANDIDATES = ((128, 64, 8, 3, True, 128), (128, 64, 4, 4, True, 64),
+                   (64, 128, 4, 4, True, 64), (128, 128, 8, 3, True, 64))
+MAX_GEMM_ROWS = 16384
 # (device, rows bucket, N, K, dtype, bits, group) -> the tile, or None: dequantize + cuBLAS
 _CHOICE: dict[tuple, tuple | None] = {}
 
@@ -61,7 +69,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, strid
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    m = tl.arange(0, BLOCK_M)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = (m < M)[:, None]
     q_rows = q_ptr + n.to(tl.int64)[:, None] * (K * BITS // 8)
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
@@ -125,16 +133,21 @@ def dequantize_packed(pw, dtype: torch.dtype) -> torch.Tensor:
 
 
 def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS, rows contiguous) @ W.T (+ bias) -> [M, N] in x's dtype, W the
-    PackedWeight (even groups), with one of CANDIDATES / DOT_CANDIDATES as the tile."""
+    """x [M, K] (rows contiguous) @ W.T (+ bias) -> [M, N] in x's dtype, W the PackedWeight
+    (even groups), with one of CANDIDATES / DOT_CANDIDATES (M <= MAX_ROWS) or
+    GEMM_CANDIDATES (any M: row tiles of BLOCK_M) as the tile."""
     m, k = x.shape
     n = pw.shape[0]
     block_n, block_k, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
-    assert 1 <= m <= MAX_ROWS and x.stride(1) == 1 and k == pw.shape[1] and pw.g_idx is None
-    block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
+    assert m >= 1 and x.stride(1) == 1 and k == pw.shape[1] and pw.g_idx is None
+    if len(dot) > 1:
+        block_m = dot[1]
+    else:
+        assert m <= MAX_ROWS
+        block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _packed_gemv_kernel[(triton.cdiv(n, block_n),)](
+    _packed_gemv_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, m, n, k,
         x.stride(0), y.stride(0), GROUP=pw.group_size, BITS=pw.bits, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=_block_k(block_k, pw.group_size), HAS_BIAS=bias is not None,
@@ -143,16 +156,18 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple) -
 
 
 def packed_linear(x: torch.Tensor, pw, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ W.T (+ bias) on the GPU: the skinny kernel for 1-8 rows, else dequantize +
-    cuBLAS (and always for uneven groups: act order's row-parallel shards)."""
-    if pw.g_idx is not None or x.shape[0] > MAX_ROWS or x.shape[0] == 0:
+    """x [M, K] @ W.T (+ bias) on the GPU: the skinny kernel for 1-8 rows, the tiled GEMM or
+    dequantize + cuBLAS above, whichever was timed faster for the rows bucket (dequantize +
+    cuBLAS always for uneven groups: act order's row-parallel shards)."""
+    if pw.g_idx is not None or x.shape[0] > MAX_GEMM_ROWS or x.shape[0] == 0:
         return F.linear(x, pw.dequantize(x.dtype), bias)
     x = x if x.stride(1) == 1 else x.contiguous()
     key = (x.device.index, triton.next_power_of_2(x.shape[0]), *pw.shape, x.dtype, pw.bits,
            pw.group_size)
     if key not in _CHOICE:
         if torch.cuda.is_current_stream_capturing():     # tuned in the eager warm-up first
-            return packed_gemv(x, pw, bias, CANDIDATES[0])
+            return packed_gemv(x, pw, bias, CANDIDATES[0] if x.shape[0] <= MAX_ROWS
+                               else GEMM_CANDIDATES[0])
         _CHOICE[key] = _tune(x, pw, bias)
     cfg = _CHOICE[key]
     if cfg is None:
@@ -169,7 +184,9 @@ def _tune(x: torch.Tensor, pw, bias) -> tuple | None:
     ref = F.linear(xs, pw.dequantize(x.dtype), bias).float()
     base = _time_us(lambda: F.linear(xs, pw.dequantize(x.dtype), bias))
     best, best_us = None, base
-    for cfg in CANDIDATES + (DOT_CANDIDATES if rows > 1 else ()):
+    tiles = GEMM_CANDIDATES if rows > MAX_ROWS \
+        else CANDIDATES + (DOT_CANDIDATES if rows > 1 else ())
+    for cfg in tiles:
         try:
             ok = torch.allclose(packed_gemv(xs, pw, bias, cfg).float(), ref, rtol=2e-2, atol=2e-2)
             us = _time_us(lambda cfg=cfg: packed_gemv(xs, pw, bias, cfg)) if ok else float("inf")
@@ -179,7 +196,7 @@ def _tune(x: torch.Tensor, pw, bias) -> tuple | None:
             continue
         if us < best_us:
             best, best_us = cfg, us
-    logger.info("W%dA16 GEMV rows<=%d N=%d K=%d group %d: dequantize + cuBLAS %.1f us, %s",
+    logger.info("W%dA16 matmul rows<=%d N=%d K=%d group %d: dequantize + cuBLAS %.1f us, %s",
                 pw.bits, rows, *pw.shape, pw.group_size, base,
                 f"triton {best} {best_us:.1f} us (chosen)" if best else "kept")
     return best
