@@ -69,3 +69,16 @@ def test_tp2_equals_tp1(sources, tmp_path, arch, case):
             assert o_proj.perm is not None and o_proj.g_idx is not None
     finally:
         llm.engine.shutdown()
+
+
+def test_smollm2_gptq_4bit_still_answers(smollm2_dir, tmp_path):
+    """The real model through scripts/quantize.py (4 bits, round-to-nearest) keeps its greedy
+    answer. Groups of 128 do not divide its hidden size (576); with groups of 64, GPTQ act order
+    keeps the sentence word for word (AWQ adds ", France", GPTQ in order runs on: the report of
+    issue 23 lists the settings tried)."""
+    qdir = quantize_dir(smollm2_dir, tmp_path / "smol", "gptq", group_size=64, desc_act=True)
+    llm = LLM(qdir, max_model_len=256)
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.quant.bits == 4
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   GREEDY.clone(max_tokens=20, ignore_eos=False))
+    assert out[0].outputs[0].text == "The capital of France is Paris."

@@ -117,3 +117,27 @@ def test_packed_gemm_tiles_rows(bits, group):
     for cfg in cfgs:
         y = gemv_w4.packed_gemv(x, pw, b, cfg)
         assert rel_err(y, x.float() @ w.t() + b.float()) < 1e-2, cfg
+
+
+@pytest.mark.parametrize("cfg", [gemv_w4.CANDIDATES[1], gemv_w4.DOT_CANDIDATES[1]],
+                         ids=["fma", "dot"])
+def test_packed_gemv_prologues(cfg):
+    """gemv.py's prologues inside the W4A16 kernel: residual add + RMSNorm (the sum written
+    once), RMSNorm alone, SiLU(gate) * up, each against the separate op then the matmul."""
+    from pagedbackend.kernels.gemv import ADD_NORM, NORM, SILU_MUL
+    from pagedbackend.layers import activation, norm
+    n, k = (4096, 4096) if CUDA else (40, 128)
+    pw = packed_weight(n, k, 4, 64)
+    w = torch_dequantize(pw)
+    for m in (1, 3):
+        x, r = (torch.randn(m, k, device=DEV).bfloat16() for _ in range(2))
+        g = (1 + 0.5 * torch.randn(k, device=DEV)).bfloat16()
+        y, r_out = gemv_w4.packed_gemv(x, pw, None, cfg, ADD_NORM, r, g, 1e-5)
+        h = norm.fused_add_rms_norm_torch(x, r, g, 1e-5)[0]
+        assert rel_err(y, h.float() @ w.t()) < 2e-2 and rel_err(r_out, x.float() + r.float()) < 1e-2
+        y = gemv_w4.packed_gemv(x, pw, None, cfg, NORM, None, g, 1e-5)
+        h = norm.fused_add_rms_norm_torch(x, torch.zeros_like(x), g, 1e-5)[0]
+        assert rel_err(y, h.float() @ w.t()) < 2e-2
+        gate_up = torch.randn(m, 2 * k, device=DEV).bfloat16()
+        y = gemv_w4.packed_gemv(gate_up, pw, None, cfg, SILU_MUL)
+        assert rel_err(y, activation.silu_and_mul_torch(gate_up).float() @ w.t()) < 2e-2

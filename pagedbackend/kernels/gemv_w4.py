@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from pagedbackend.kernels.common import dot_precision, mma
+from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL, _input_tile
 
 logger = logging.getLogger("pagedbackend")
 
@@ -62,10 +63,11 @@ def _codes_tile(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP: tl.constexpr, BITS:
 
 
 @triton.jit
-def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps,
+                        M, N, K, stride_xm, stride_ym, stride_rm, stride_rom,
                         GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                        USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -73,6 +75,12 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, strid
     m_ok = (m < M)[:, None]
     q_rows = q_ptr + n.to(tl.int64)[:, None] * (K * BITS // 8)
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    # the prologues of gemv.py's kernel (RMSNorm, residual add + RMSNorm, SiLU * up), by its
+    # _input_tile; program 0 of the N axis alone writes the residual sum
+    r_rows = r_ptr + m.to(tl.int64)[:, None] * stride_rm
+    r_out_rows = r_out_ptr + m.to(tl.int64)[:, None] * stride_rom
+    store_ok = (m < M - M * tl.minimum(pid, 1))[:, None]
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_DOT:
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     elif BLOCK_M == 1:
@@ -81,9 +89,17 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, strid
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w = _codes_tile(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N, BLOCK_K)
-        x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_ok, other=0.0)
+        k = k0 + tl.arange(0, BLOCK_K)
+        if PROLOGUE == 0:
+            x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
+        else:
+            x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K, True,
+                                PROLOGUE)
+            if PROLOGUE == 1 or PROLOGUE == 2:
+                ss += sq
         if USE_DOT:
-            acc2 += mma(x, tl.trans(w.to(x.dtype)), PRECISION)
+            xd = x.to(y_ptr.dtype.element_ty)
+            acc2 += mma(xd, tl.trans(w.to(xd.dtype)), PRECISION)
         elif BLOCK_M == 1:
             acc1 += x.to(tl.float32) * w
         else:
@@ -94,6 +110,8 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, strid
         y = tl.sum(acc1, axis=1)[None, :]
     else:
         y = tl.sum(acc3, axis=2)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
@@ -132,27 +150,40 @@ def dequantize_packed(pw, dtype: torch.dtype) -> torch.Tensor:
     return w
 
 
-def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple) -> torch.Tensor:
+def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
+                prologue: int = PLAIN, residual: torch.Tensor | None = None,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0):
     """x [M, K] (rows contiguous) @ W.T (+ bias) -> [M, N] in x's dtype, W the PackedWeight
     (even groups), with one of CANDIDATES / DOT_CANDIDATES (M <= MAX_ROWS) or
-    GEMM_CANDIDATES (any M: row tiles of BLOCK_M) as the tile."""
-    m, k = x.shape
-    n = pw.shape[0]
+    GEMM_CANDIDATES (any M: row tiles of BLOCK_M) as the tile. The prologues are gemv.py's:
+    NORM, ADD_NORM (returning (y, x + residual)) and SILU_MUL (x = gate | up, [M, 2K])."""
+    m = x.shape[0]
+    n, k = pw.shape
     block_n, block_k, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
-    assert m >= 1 and x.stride(1) == 1 and k == pw.shape[1] and pw.g_idx is None
+    assert m >= 1 and x.stride(1) == 1 and pw.g_idx is None
+    assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     if len(dot) > 1:
         block_m = dot[1]
     else:
         assert m <= MAX_ROWS
         block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    r = r_out = x
+    if prologue == ADD_NORM:
+        assert residual is not None and residual.shape == x.shape and residual.stride(1) == 1
+        r, r_out = residual, torch.empty_like(x)
+    if prologue in (NORM, ADD_NORM):
+        assert norm_weight is not None and norm_weight.shape == (k,)
     _packed_gemv_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
-        x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, m, n, k,
-        x.stride(0), y.stride(0), GROUP=pw.group_size, BITS=pw.bits, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=_block_k(block_k, pw.group_size), HAS_BIAS=bias is not None,
-        USE_DOT=use_dot, PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages)
-    return y
+        x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, r, r_out,
+        norm_weight if norm_weight is not None else y, eps, m, n, k,
+        x.stride(0), y.stride(0), r.stride(0), r_out.stride(0), GROUP=pw.group_size,
+        BITS=pw.bits, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=_block_k(block_k, pw.group_size), HAS_BIAS=bias is not None, USE_DOT=use_dot,
+        PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, num_warps=warps,
+        num_stages=stages)
+    return (y, r_out) if prologue == ADD_NORM else y
 
 
 def packed_linear(x: torch.Tensor, pw, bias: torch.Tensor | None) -> torch.Tensor:
@@ -162,17 +193,51 @@ def packed_linear(x: torch.Tensor, pw, bias: torch.Tensor | None) -> torch.Tenso
     if pw.g_idx is not None or x.shape[0] > MAX_GEMM_ROWS or x.shape[0] == 0:
         return F.linear(x, pw.dequantize(x.dtype), bias)
     x = x if x.stride(1) == 1 else x.contiguous()
-    key = (x.device.index, triton.next_power_of_2(x.shape[0]), *pw.shape, x.dtype, pw.bits,
-           pw.group_size)
-    if key not in _CHOICE:
-        if torch.cuda.is_current_stream_capturing():     # tuned in the eager warm-up first
-            return packed_gemv(x, pw, bias, CANDIDATES[0] if x.shape[0] <= MAX_ROWS
-                               else GEMM_CANDIDATES[0])
-        _CHOICE[key] = _tune(x, pw, bias)
-    cfg = _CHOICE[key]
+    cfg = _config(x, pw, bias)
     if cfg is None:
         return F.linear(x, pw.dequantize(x.dtype), bias)
     return packed_gemv(x, pw, bias, cfg)
+
+
+def _config(x: torch.Tensor, pw, bias) -> tuple | None:
+    """The tile timed fastest for x's rows bucket (tuned at first sight, outside CUDA-graph
+    capture: the graphs' eager warm-up), or None for dequantize + cuBLAS."""
+    key = (x.device.index, triton.next_power_of_2(x.shape[0]), *pw.shape, x.dtype, pw.bits,
+           pw.group_size)
+    if key not in _CHOICE:
+        if torch.cuda.is_current_stream_capturing():
+            return CANDIDATES[0] if x.shape[0] <= MAX_ROWS else GEMM_CANDIDATES[0]
+        _CHOICE[key] = _tune(x, pw, bias)
+    return _CHOICE[key]
+
+
+def maybe_packed_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
+                             norm_weight: torch.Tensor, eps: float, pw, bias):
+    """(rms_norm(x [+ residual]) @ W.T + b, the new residual) in one kernel for a decode step
+    of 1-8 rows on a PackedWeight without act order, with the tile chosen for the plain
+    matmul; else None (the caller runs the norm, then the layer)."""
+    if not _fusable(x, pw) or norm_weight.dtype != x.dtype or residual is not None and (
+            residual.dtype != x.dtype or residual.stride(1) != 1):
+        return None
+    cfg = _config(x, pw, bias)
+    if cfg is None:
+        return None
+    if residual is None:
+        return packed_gemv(x, pw, bias, cfg, NORM, None, norm_weight, eps), x
+    return packed_gemv(x, pw, bias, cfg, ADD_NORM, residual, norm_weight, eps)
+
+
+def maybe_packed_silu_linear(gate_up: torch.Tensor, pw) -> torch.Tensor | None:
+    """(silu(gate) * up) @ W.T over gate_up = gate | up in one kernel (as above), else None."""
+    if not _fusable(gate_up, pw) or gate_up.shape[1] != 2 * pw.shape[1]:
+        return None
+    cfg = _config(gate_up[:, :pw.shape[1]], pw, None)
+    return None if cfg is None else packed_gemv(gate_up, pw, None, cfg, SILU_MUL)
+
+
+def _fusable(x: torch.Tensor, pw) -> bool:
+    return pw.g_idx is None and pw.perm is None and x.dim() == 2 \
+        and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1
 
 
 def _tune(x: torch.Tensor, pw, bias) -> tuple | None:

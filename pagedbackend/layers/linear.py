@@ -63,10 +63,15 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
     """proj(norm(x + residual)) and the new residual (x + residual, or x when residual is None):
     the pre-norm block's entry. On CUDA, where the skinny matmul serves proj's shape, the norm
     runs inside it (one kernel instead of two)."""
-    if x.is_cuda and USE_KERNELS and proj.quant is None:
-        from pagedbackend.kernels.gemv_tuning import maybe_skinny_norm_linear
-        out = maybe_skinny_norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias,
-                                       proj.weight_scale)
+    if x.is_cuda and USE_KERNELS:
+        if proj.quant is not None:
+            from pagedbackend.kernels.gemv_w4 import maybe_packed_norm_linear
+            out = maybe_packed_norm_linear(x, residual, norm.weight, norm.eps, proj.quant,
+                                           proj.bias)
+        else:
+            from pagedbackend.kernels.gemv_tuning import maybe_skinny_norm_linear
+            out = maybe_skinny_norm_linear(x, residual, norm.weight, norm.eps, proj.weight,
+                                           proj.bias, proj.weight_scale)
         if out is not None:
             return out
     if residual is None:
@@ -148,9 +153,13 @@ class RowParallelLinear(nn.Module):
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(silu(gate) * up) over gate_up = [..., 2 * local_in]; on CUDA, where the skinny
         matmul serves this shape, the activation runs inside it."""
-        if gate_up.is_cuda and USE_KERNELS and self.quant is None:
-            from pagedbackend.kernels.gemv_tuning import maybe_skinny_silu_linear
-            y = maybe_skinny_silu_linear(gate_up, self.weight, self.weight_scale)
+        if gate_up.is_cuda and USE_KERNELS:
+            if self.quant is not None:
+                from pagedbackend.kernels.gemv_w4 import maybe_packed_silu_linear
+                y = maybe_packed_silu_linear(gate_up, self.quant)
+            else:
+                from pagedbackend.kernels.gemv_tuning import maybe_skinny_silu_linear
+                y = maybe_skinny_silu_linear(gate_up, self.weight, self.weight_scale)
             if y is not None:
                 return self._reduce(y)
         return self.forward(silu_and_mul(gate_up))
