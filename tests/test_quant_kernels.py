@@ -54,10 +54,13 @@ def test_dequantize_kernel_is_the_reference_to_the_bit(bits, group):
     assert ((got - want).abs() <= want.abs() * 2 ** -7).all()
 
 
-@pytest.mark.parametrize("cfg", [gemv_w4.CANDIDATES[0], (16, 64, 2, 4),
-                                 gemv_w4.DOT_CANDIDATES[0]], ids=["fma", "fma-small", "dot"])
-@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, 64)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+FMA, SMALL, DOT = gemv_w4.CANDIDATES[0], (16, 64, 2, 4), gemv_w4.DOT_CANDIDATES[0]
+
+
+@pytest.mark.parametrize("cfg,bits,group,dtype", [
+    (FMA, 4, 128, torch.float32), (FMA, 4, 32, torch.bfloat16), (FMA, 8, 64, torch.bfloat16),
+    (SMALL, 4, 128, torch.bfloat16), (DOT, 4, 128, torch.bfloat16), (DOT, 4, 32, torch.float32),
+    (DOT, 8, 64, torch.bfloat16)])
 def test_packed_gemv_matches_dequantize_then_matmul(cfg, bits, group, dtype):
     n, k = (6144, 4096) if CUDA else (72, 256)      # N not a multiple of every BLOCK_N
     pw = packed_weight(n, k, bits, group)
