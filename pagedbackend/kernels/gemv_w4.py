@@ -8,7 +8,9 @@ inside one group (BLOCK_K divides the group size), so its scale and zero are one
 the codes are unpacked and dequantized in registers ((q - z) * s in fp32, exact) and multiplied
 by the 16-bit input, broadcast products at one row, tensor-core dots (input tile padded to 16
 rows) at more. The tile is timed on the device per shape at first use (the GEMV tuner's
-timer), as gemv_tuning does for the 16-bit kernel.
+timer), as gemv_tuning does for the 16-bit kernel. Like that kernel it takes the prologue of
+the op before it (RMSNorm, residual add + RMSNorm, SiLU * up), is launched with programmatic
+dependent launch, and its first programs prefetch their codes into L2 before waiting.
 Wider steps run either the same kernel as a tiled GEMM (row tiles of 64-128, the dequantized
 weight tile fed to the tensor cores) or dequantize the weight into a 16-bit buffer (one kernel,
 each byte read once) and run cuBLAS on it, whichever was timed faster for the rows bucket: at
@@ -24,7 +26,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedbackend.kernels.common import dot_precision, mma
+from pagedbackend.kernels.common import (dot_precision, l2_prefetch, mma, pdl_launch,
+                                         pdl_trigger, pdl_wait, prefetch_programs)
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL, _input_tile
 
 logger = logging.getLogger("pagedbackend")
@@ -67,7 +70,8 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                         M, N, K, stride_xm, stride_ym, stride_rm, stride_rom,
                         GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr):
+                        USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr,
+                        prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -81,6 +85,13 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
     r_out_rows = r_out_ptr + m.to(tl.int64)[:, None] * stride_rom
     store_ok = (m < M - M * tl.minimum(pid, 1))[:, None]
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # as gemv.py: the next kernel may start now; the first programs' codes (contiguous rows,
+    # written by no kernel) start towards L2 before the wait for the previous kernel's output
+    pdl_trigger(USE_PDL)
+    if PREFETCH:
+        if pid < prefetch_programs:
+            l2_prefetch(q_ptr + pid * BLOCK_N * (K * BITS // 8), BLOCK_N * (K * BITS // 8))
+    pdl_wait(USE_PDL)
     if USE_DOT:
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     elif BLOCK_M == 1:
@@ -175,14 +186,17 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         r, r_out = residual, torch.empty_like(x)
     if prologue in (NORM, ADD_NORM):
         assert norm_weight is not None and norm_weight.shape == (k,)
-    _packed_gemv_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+    row_tiles = triton.cdiv(m, block_m)
+    pf = prefetch_programs(pw.qweight, block_n * pw.qweight.shape[1], prologue == PLAIN) \
+        if n % block_n == 0 and row_tiles == 1 else 0
+    _packed_gemv_kernel[(triton.cdiv(n, block_n), row_tiles)](
         x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, r, r_out,
         norm_weight if norm_weight is not None else y, eps, m, n, k,
         x.stride(0), y.stride(0), r.stride(0), r_out.stride(0), GROUP=pw.group_size,
         BITS=pw.bits, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=_block_k(block_k, pw.group_size), HAS_BIAS=bias is not None, USE_DOT=use_dot,
-        PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, num_warps=warps,
-        num_stages=stages)
+        PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
+        PREFETCH=pf > 0, num_warps=warps, num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
 
 
