@@ -54,6 +54,7 @@ def test_dequantize_kernel_is_the_reference_to_the_bit(bits, group):
     assert ((got - want).abs() <= want.abs() * 2 ** -7).all()
 
 
+# FMA and DOT take several groups per iteration at these K; SMALL half a group
 FMA, SMALL, DOT = gemv_w4.CANDIDATES[0], (16, 64, 2, 4), gemv_w4.DOT_CANDIDATES[0]
 
 
@@ -78,6 +79,9 @@ def test_packed_gemv_matches_dequantize_then_matmul(cfg, bits, group, dtype):
 def test_block_k_stays_inside_a_group():
     assert gemv_w4._block_k(128, 128) == 128 and gemv_w4._block_k(128, 64) == 64
     assert gemv_w4._block_k(128, 48) == 16 and gemv_w4._block_k(64, 256) == 64
+    # whole groups per iteration, dividing K: 576 = 9 groups of 64
+    assert gemv_w4._tile_k(1024, 128, 4096) == (128, 1024)
+    assert gemv_w4._tile_k(512, 64, 576) == (64, 192) and gemv_w4._tile_k(64, 128, 256) == (64, 64)
 
 
 @pytest.mark.skipif(not CUDA, reason="the tile is timed on the device")

@@ -3,9 +3,9 @@ load (uint8 [N, K * bits / 8] codes, low nibble first; scales and zeros [G, N]),
 serves both formats.
 
 Decode steps of 1-8 rows: a skinny W4A16 (or W8A16) matmul. Each program owns BLOCK_N output
-rows over the whole K and reads each weight byte once: a tile of BLOCK_K codes per row lies
-inside one group (BLOCK_K divides the group size), so its scale and zero are one load per row,
-the codes are unpacked and dequantized in registers ((q - z) * s in fp32, exact) and multiplied
+rows over the whole K and reads each weight byte once: a piece of a row's codes lies inside
+one group (an iteration takes several pieces), so its scale and zero are one load per row, the
+codes are unpacked and dequantized in registers ((q - z) * s in fp32, exact) and multiplied
 by the 16-bit input, broadcast products at one row, tensor-core dots (input tile padded to 16
 rows) at more. The tile is timed on the device per shape at first use (the GEMV tuner's
 timer), as gemv_tuning does for the 16-bit kernel. Like that kernel it takes the prologue of
@@ -33,11 +33,12 @@ from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL, _input_ti
 logger = logging.getLogger("pagedbackend")
 
 MAX_ROWS = 8
-# (BLOCK_N, BLOCK_K, num_warps, num_stages[, dot[, BLOCK_M]]); BLOCK_K is capped at the group
-# size
-CANDIDATES = ((64, 128, 4, 4), (32, 128, 4, 4), (128, 64, 4, 4), (16, 128, 2, 4),
-              (64, 64, 4, 6), (128, 128, 8, 3))
-DOT_CANDIDATES = ((64, 128, 4, 4, True), (32, 128, 4, 4, True), (128, 64, 4, 4, True))
+# (BLOCK_N, BLOCK_K, num_warps, num_stages[, dot[, BLOCK_M]]); BLOCK_K spans whole groups
+# (pieces of one group each, _tile_k). Narrow tiles give the ~130 SMs enough programs on
+# llama-3.1-8b's o_proj / down_proj (N = 4096); wide BLOCK_K keeps each program's bytes in flight.
+CANDIDATES = ((16, 1024, 4, 3), (8, 1024, 4, 4), (32, 512, 4, 4), (16, 512, 4, 4),
+              (64, 128, 4, 4), (32, 256, 4, 3), (8, 2048, 4, 3), (64, 256, 8, 3))
+DOT_CANDIDATES = ((32, 512, 4, 3, True), (64, 128, 4, 4, True), (16, 512, 4, 4, True))
 # wider steps: the same kernel as a tiled GEMM (a grid over row tiles of BLOCK_M), timed per
 # rows bucket against dequantize + cuBLAS
 GEMM_CANDIDATES = ((128, 64, 8, 3, True, 128), (128, 64, 4, 4, True, 64),
@@ -69,7 +70,8 @@ def _codes_tile(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP: tl.constexpr, BITS:
 def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps,
                         M, N, K, stride_xm, stride_ym, stride_rm, stride_rom,
                         GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr,
                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr,
                         prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
@@ -95,26 +97,30 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
     if USE_DOT:
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     elif BLOCK_M == 1:
-        acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
     else:
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, SUB_K], dtype=tl.float32)
+    # BLOCK_K columns per iteration in pieces of SUB_K, each inside one group: several groups'
+    # loads in flight per program without a scale per column
     for k0 in range(0, K, BLOCK_K):
-        w = _codes_tile(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N, BLOCK_K)
-        k = k0 + tl.arange(0, BLOCK_K)
-        if PROLOGUE == 0:
-            x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
-        else:
-            x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K, True,
-                                PROLOGUE)
-            if PROLOGUE == 1 or PROLOGUE == 2:
-                ss += sq
-        if USE_DOT:
-            xd = x.to(y_ptr.dtype.element_ty)
-            acc2 += mma(xd, tl.trans(w.to(xd.dtype)), PRECISION)
-        elif BLOCK_M == 1:
-            acc1 += x.to(tl.float32) * w
-        else:
-            acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
+        for i in tl.static_range(BLOCK_K // SUB_K):
+            kk = k0 + i * SUB_K
+            w = _codes_tile(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N, SUB_K)
+            k = kk + tl.arange(0, SUB_K)
+            if PROLOGUE == 0:
+                x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
+            else:
+                x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K,
+                                    True, PROLOGUE)
+                if PROLOGUE == 1 or PROLOGUE == 2:
+                    ss += sq
+            if USE_DOT:
+                xd = x.to(y_ptr.dtype.element_ty)
+                acc2 += mma(xd, tl.trans(w.to(xd.dtype)), PRECISION)
+            elif BLOCK_M == 1:
+                acc1 += x.to(tl.float32) * w
+            else:
+                acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
     if USE_DOT:
         y = acc2
     elif BLOCK_M == 1:
@@ -140,6 +146,16 @@ def _dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, BITS:
     k = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], w.to(w_ptr.dtype.element_ty),
              mask=n_ok[:, None])
+
+
+def _tile_k(want: int, group: int, k: int) -> tuple[int, int]:
+    """(SUB_K, BLOCK_K): pieces inside one group, as many per iteration as `want` allows
+    while BLOCK_K divides K (no masked tail)."""
+    sub = _block_k(want, group)
+    pieces = max(want // sub, 1)
+    while k % (sub * pieces):
+        pieces -= 1
+    return sub, sub * pieces
 
 
 def _block_k(want: int, group: int) -> int:
@@ -186,6 +202,7 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         r, r_out = residual, torch.empty_like(x)
     if prologue in (NORM, ADD_NORM):
         assert norm_weight is not None and norm_weight.shape == (k,)
+    sub_k, block_k = _tile_k(block_k, pw.group_size, k)
     row_tiles = triton.cdiv(m, block_m)
     pf = prefetch_programs(pw.qweight, block_n * pw.qweight.shape[1], prologue == PLAIN) \
         if n % block_n == 0 and row_tiles == 1 else 0
@@ -194,7 +211,7 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         norm_weight if norm_weight is not None else y, eps, m, n, k,
         x.stride(0), y.stride(0), r.stride(0), r_out.stride(0), GROUP=pw.group_size,
         BITS=pw.bits, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=_block_k(block_k, pw.group_size), HAS_BIAS=bias is not None, USE_DOT=use_dot,
+        BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, USE_DOT=use_dot,
         PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
         PREFETCH=pf > 0, num_warps=warps, num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
@@ -263,8 +280,12 @@ def _tune(x: torch.Tensor, pw, bias) -> tuple | None:
     ref = F.linear(xs, pw.dequantize(x.dtype), bias).float()
     base = _time_us(lambda: F.linear(xs, pw.dequantize(x.dtype), bias))
     best, best_us = None, base
+    # broadcast products of several rows hold rows x BLOCK_N x piece fp32 partial sums: only
+    # tiles that keep them to <= 64 registers a thread
+    fma = tuple(c for c in CANDIDATES
+                if rows == 1 or rows * c[0] * _block_k(c[1], pw.group_size) <= 64 * 32 * c[2])
     tiles = GEMM_CANDIDATES if rows > MAX_ROWS \
-        else CANDIDATES + (DOT_CANDIDATES if rows > 1 else ())
+        else fma + (DOT_CANDIDATES if rows > 1 else ())
     for cfg in tiles:
         try:
             ok = torch.allclose(packed_gemv(xs, pw, bias, cfg).float(), ref, rtol=2e-2, atol=2e-2)
