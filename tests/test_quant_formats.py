@@ -149,6 +149,7 @@ def test_bad_checkpoints_are_refused_by_name(llama_dir, tmp_path):
          r"group_size=48 is invalid: must divide the input size of every layer "
          r"\(model\.layers\.0\.self_attn\.qkv_proj has 64\)"),
         (_with_config(awq, tmp_path / "v", version="gemv"), {}, r"version='gemv' is invalid"),
+        (_with_config(gptq, tmp_path / "h", lm_head=True), {}, r"lm_head=True is invalid"),
         (_edit_tensors(awq, tmp_path / "z", lambda t: t.pop(
             "model.layers.1.mlp.down_proj.qzeros")), {},
          r"lacks weights for: model\.layers\.1\.mlp\.down_proj\.qzeros"),
