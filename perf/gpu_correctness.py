@@ -25,6 +25,36 @@ def hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+# --quantization values that write a checkpoint (scripts/quantize.py, groups of 128) for the
+# engine and give transformers the reference dequantization of its weights
+GROUPED = {"awq": ["--method", "awq"], "gptq": ["--method", "gptq"],
+           "gptq-act": ["--method", "gptq", "--desc-act", "--no-sym"]}
+
+
+def quantized_checkpoint(hf, src: str, kind: str) -> str:
+    import os
+    import sys
+
+    from safetensors.torch import load_file
+
+    from pagedbackend.layers.quant_formats import dequantize_awq, dequantize_gptq
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "scripts"))
+    import quantize
+    out = tempfile.mkdtemp()
+    quantize.main(GROUPED[kind] + ["--group-size", "128", src, out])
+    t = load_file(os.path.join(out, "model.safetensors"))
+    params = dict(hf.named_parameters())
+    with torch.no_grad():
+        for name in [n for n in t if n.endswith(".qweight")]:
+            base = name[:-len(".qweight")]
+            q, z, s = t[name], t[base + ".qzeros"], t[base + ".scales"]
+            w = dequantize_awq(q, z, s, 128) if kind == "awq" \
+                else dequantize_gptq(q, z, s, t[base + ".g_idx"], 4)
+            params[base + ".weight"].copy_(w)
+    return out
+
+
 def check(arch: str, dtype: str, n: int = 256, kv_cache_dtype: str = "auto",
           quantization: str | None = None) -> dict:
     from pagedbackend import LLM, SamplingParams
@@ -32,6 +62,8 @@ def check(arch: str, dtype: str, n: int = 256, kv_cache_dtype: str = "auto",
     d = tempfile.mkdtemp()
     extra = {"head_dim": 64} if arch == "qwen3" else {}
     hf = make_hf_checkpoint(arch, d, seed=1, std=0.05, **SHAPE, **extra)
+    if quantization in GROUPED:     # an AWQ / GPTQ checkpoint; transformers gets its weights
+        d, quantization = quantized_checkpoint(hf, d, quantization), None
     hf = hf.to("cuda", getattr(torch, dtype))
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 1024) for _ in range(rng.randrange(3, 300))] for _ in range(8)]
@@ -68,7 +100,9 @@ def main():
                     help="comma-separated; fp32 alone is where all 256 tokens must agree")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
     ap.add_argument("--quantization", default=None,
-                    help="fp8: our weights in e4m3 (transformers keeps the model's dtype)")
+                    help="fp8: our weights in e4m3 (transformers keeps the model's dtype); "
+                         "awq, gptq, gptq-act: a 4-bit checkpoint written by "
+                         "scripts/quantize.py (transformers runs its dequantized weights)")
     a = ap.parse_args()
     dtypes = a.dtypes.split(",")
     rows = []

@@ -158,8 +158,12 @@ for s in $stages; do
     # bf16, AWQ, GPTQ and INT8 dummy weights in one process (W1-llama-3.1-8b-awq-h200.json, ...);
     # W2 128/128 bf16 then AWQ
     quantkernels) run quantkernels 150 python3 -m pytest -q tests/test_quant_kernels.py ;;
-    w1quant) run w1quant 420 python3 perf/w1_decode.py --ab awq,gptq,int8 ;;
-    w2awq) run w2awq 300 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
+    w1quant) run w1quant 540 python3 perf/w1_decode.py --ab awq,gptq,int8 ;;
+    w2awq) run w2awq 480 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
+    # greedy output on AWQ / GPTQ (act order) checkpoints of the tiny models vs transformers on
+    # their dequantized weights, in fp32 (the kernels' arithmetic: all 256 tokens should agree)
+    correctnessawq) run correctnessawq 300 "$base_py" perf/gpu_correctness.py --dtypes float32 --quantization awq ;;
+    correctnessgptq) run correctnessgptq 300 "$base_py" perf/gpu_correctness.py --dtypes float32 --quantization gptq-act ;;
     # decode attention at W5's mixed context lengths: grid order, longest first, splits, stages
     mixedlen) run mixedlen 120 python3 perf/kernels_bench.py --only mixedlen ;;
     w5) run w5 300 "$base_py" perf/w5_vs_transformers.py ;;

@@ -715,8 +715,9 @@ def test_compile_watch_records_only_while_armed(monkeypatch):
 
 
 @pytest.mark.skipif(not CUDA, reason="the interpreter compiles nothing")
-@pytest.mark.parametrize("eager,quantization", [(False, None), (True, None), (False, "fp8")],
-                         ids=["graphs", "eager", "graphs-fp8"])
+@pytest.mark.parametrize("eager,quantization", [(False, None), (True, None), (False, "fp8"),
+                                                (False, "awq")],
+                         ids=["graphs", "eager", "graphs-fp8", "graphs-awq"])
 def test_no_kernel_compiles_after_warmup(tmp_path, eager, quantization):
     """Requests arriving while others decode (mixed steps of every size, contexts from 1 to ~900
     tokens, block-table widths 1 to 60, prefix hits), then a burst wider than one (sequence,

@@ -122,6 +122,15 @@ def test_fp8kv_builds_the_next_engines_with_an_fp8_cache(perf_module):
                                                                              0)))
     assert seen == [("default", {}, 0), ("fp8w", {"quantization": "fp8"}, 0),
                     ("fp8w-fp8kv", {"quantization": "fp8", **fp8}, 0)]
+    # awq / gptq / int8 weights: one weight kind at a time, each naming the result's model
+    seen.clear()
+    perf.run_variants("awq,gptq,int8,fp8kv", FakeLLM,
+                      lambda llm, label: seen.append((label, llm.overrides)))
+    assert seen == [("default", {}), ("awq", {"quantization": "awq"}),
+                    ("gptq", {"quantization": "gptq"}), ("int8", {"quantization": "int8"}),
+                    ("int8-fp8kv", {"quantization": "int8", **fp8})]
+    assert perf.result_model("llama-3.1-8b", "awq") == ("llama-3.1-8b-awq", "")
+    assert perf.result_model("llama-3.1-8b", "fp8w") == ("llama-3.1-8b", "fp8w")
 
 
 def test_without_variants_no_switch_module_is_needed(perf_module, monkeypatch):

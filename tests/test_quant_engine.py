@@ -69,3 +69,43 @@ def test_tp2_equals_tp1(sources, tmp_path, arch, case):
             assert o_proj.perm is not None and o_proj.g_idx is not None
     finally:
         llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def smollm2_gptq(smollm2_dir, tmp_path_factory) -> str:
+    return quantize_dir(smollm2_dir, tmp_path_factory.mktemp("smol") / "gptq", "gptq",
+                        group_size=64, desc_act=True)
+
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_smollm2_gptq_4bit_still_answers(smollm2_gptq):
+    """The real model through scripts/quantize.py (4 bits, round-to-nearest) keeps its greedy
+    answer. Groups of 128 do not divide its hidden size (576); with groups of 64, GPTQ act order
+    keeps the sentence word for word (AWQ adds ", France", GPTQ in order runs on: the report of
+    issue 23 lists the settings tried)."""
+    llm = LLM(smollm2_gptq, max_model_len=256)
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.quant.bits == 4
+    out = llm.chat(CAPITAL, GREEDY.clone(max_tokens=20, ignore_eos=False))
+    assert out[0].outputs[0].text == "The capital of France is Paris."
+
+
+def test_triton_serves_a_gptq_directory(smollm2_gptq):
+    """A GPTQ model directory behind tritonserver (quantization empty, as shipped: found from
+    its config.json) answers as the offline engine does, word for word."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from triton_fixtures import TEST_ENGINE_SETTINGS, http_post, running_server
+    prompt = AutoTokenizer.from_pretrained(smollm2_gptq).apply_chat_template(
+        CAPITAL, tokenize=False, add_generation_prompt=True)
+    want = LLM(smollm2_gptq, dtype="float32", max_model_len=1024).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=20))[0].outputs[0].text
+    with running_server(smollm2_gptq, {**TEST_ENGINE_SETTINGS, "quantization": ""}) as server:
+        status, body = http_post(server, "/v2/models/ensemble/generate", {
+            "text_input": prompt, "max_tokens": 20,
+            "sampling_parameters": json.dumps({"temperature": 0})})
+    assert status == 200, body
+    assert json.loads(body)["text_output"] == want and "Paris" in want

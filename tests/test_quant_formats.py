@@ -81,13 +81,24 @@ def test_rtn_within_half_a_step_and_layouts(spec):
     assert (back - w).norm() / w.norm() < 2.5 * 2.0 ** -spec.bits
 
 
+@pytest.fixture(scope="module")
+def wide_llama_dir(tmp_path_factory) -> str:
+    """Layers wide enough for groups of 128 (inputs 128 and 256)."""
+    path = tmp_path_factory.mktemp("q-wide")
+    make_hf_checkpoint("llama", path, hidden_size=128, intermediate_size=256)
+    return str(path)
+
+
 @pytest.mark.parametrize("method,kw", [("awq", {}), ("gptq", dict(desc_act=True, sym=False)),
-                                       ("gptq", dict(bits=8, group_size=16))])
-def test_tool_checkpoint_loads_bit_exact(llama_dir, tmp_path, method, kw):
+                                       ("gptq", dict(bits=8, group_size=16)),
+                                       ("awq", dict(group_size=128)),
+                                       ("gptq", dict(group_size=64, desc_act=True))])
+def test_tool_checkpoint_loads_bit_exact(llama_dir, wide_llama_dir, tmp_path, method, kw):
     """Every layer the engine loads from scripts/quantize.py's checkpoint dequantizes to the
     reference dequantization of the checkpoint's tensors, to the last bit (q|k|v and gate|up
     packed, act order's channel permutation applied)."""
-    qdir = quantize_dir(llama_dir, tmp_path / method, method, **kw)
+    src = wide_llama_dir if kw.get("group_size", 32) >= 64 else llama_dir
+    qdir = quantize_dir(src, tmp_path / method, method, **kw)
     config = json.loads(Path(qdir, "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == method and "round" not in json.dumps(config)
     ref = reference_weights(qdir)
@@ -149,6 +160,7 @@ def test_bad_checkpoints_are_refused_by_name(llama_dir, tmp_path):
          r"group_size=48 is invalid: must divide the input size of every layer "
          r"\(model\.layers\.0\.self_attn\.qkv_proj has 64\)"),
         (_with_config(awq, tmp_path / "v", version="gemv"), {}, r"version='gemv' is invalid"),
+        (_with_config(gptq, tmp_path / "h", lm_head=True), {}, r"lm_head=True is invalid"),
         (_edit_tensors(awq, tmp_path / "z", lambda t: t.pop(
             "model.layers.1.mlp.down_proj.qzeros")), {},
          r"lacks weights for: model\.layers\.1\.mlp\.down_proj\.qzeros"),

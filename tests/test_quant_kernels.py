@@ -54,10 +54,14 @@ def test_dequantize_kernel_is_the_reference_to_the_bit(bits, group):
     assert ((got - want).abs() <= want.abs() * 2 ** -7).all()
 
 
-@pytest.mark.parametrize("cfg", [gemv_w4.CANDIDATES[0], (16, 64, 2, 4),
-                                 gemv_w4.DOT_CANDIDATES[0]], ids=["fma", "fma-small", "dot"])
-@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, 64)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+# FMA and DOT take several groups per iteration at these K; SMALL half a group
+FMA, SMALL, DOT = gemv_w4.CANDIDATES[0], (16, 64, 2, 4), gemv_w4.DOT_CANDIDATES[0]
+
+
+@pytest.mark.parametrize("cfg,bits,group,dtype", [
+    (FMA, 4, 128, torch.float32), (FMA, 4, 32, torch.bfloat16), (FMA, 8, 64, torch.bfloat16),
+    (SMALL, 4, 128, torch.bfloat16), (DOT, 4, 128, torch.bfloat16), (DOT, 4, 32, torch.float32),
+    (DOT, 8, 64, torch.bfloat16)])
 def test_packed_gemv_matches_dequantize_then_matmul(cfg, bits, group, dtype):
     n, k = (6144, 4096) if CUDA else (72, 256)      # N not a multiple of every BLOCK_N
     pw = packed_weight(n, k, bits, group)
@@ -75,6 +79,9 @@ def test_packed_gemv_matches_dequantize_then_matmul(cfg, bits, group, dtype):
 def test_block_k_stays_inside_a_group():
     assert gemv_w4._block_k(128, 128) == 128 and gemv_w4._block_k(128, 64) == 64
     assert gemv_w4._block_k(128, 48) == 16 and gemv_w4._block_k(64, 256) == 64
+    # whole groups per iteration, dividing K: 576 = 9 groups of 64
+    assert gemv_w4._tile_k(1024, 128, 4096) == (128, 1024)
+    assert gemv_w4._tile_k(512, 64, 576) == (64, 192) and gemv_w4._tile_k(64, 128, 256) == (64, 64)
 
 
 @pytest.mark.skipif(not CUDA, reason="the tile is timed on the device")
@@ -102,3 +109,42 @@ def test_skinny_linear_reads_int8_weights(cfg):
         x = torch.randn(m, k, device=DEV).bfloat16()
         y = skinny_linear(x, wq, None, cfg, weight_scale=s)
         assert y.dtype == torch.bfloat16 and rel_err(y, x.float() @ w.t()) < 1e-2, m
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (8, 32)])
+def test_packed_gemm_tiles_rows(bits, group):
+    """The same kernel over row tiles (GEMM_CANDIDATES' form) for steps wider than 8 rows,
+    rows not a multiple of the tile."""
+    n, k = (4096, 4096) if CUDA else (40, 128)
+    cfgs = gemv_w4.GEMM_CANDIDATES if CUDA else ((32, 64, 4, 2, True, 16),)
+    pw = packed_weight(n, k, bits, group)
+    w = torch_dequantize(pw)
+    x = torch.randn(300 if CUDA else 37, k, device=DEV).bfloat16()
+    b = torch.randn(n, device=DEV).bfloat16()
+    for cfg in cfgs:
+        y = gemv_w4.packed_gemv(x, pw, b, cfg)
+        assert rel_err(y, x.float() @ w.t() + b.float()) < 1e-2, cfg
+
+
+@pytest.mark.parametrize("cfg", [gemv_w4.CANDIDATES[1], gemv_w4.DOT_CANDIDATES[1]],
+                         ids=["fma", "dot"])
+def test_packed_gemv_prologues(cfg):
+    """gemv.py's prologues inside the W4A16 kernel: residual add + RMSNorm (the sum written
+    once), RMSNorm alone, SiLU(gate) * up, each against the separate op then the matmul."""
+    from pagedbackend.kernels.gemv import ADD_NORM, NORM, SILU_MUL
+    from pagedbackend.layers import activation, norm
+    n, k = (4096, 4096) if CUDA else (40, 128)
+    pw = packed_weight(n, k, 4, 64)
+    w = torch_dequantize(pw)
+    for m in (1, 3):
+        x, r = (torch.randn(m, k, device=DEV).bfloat16() for _ in range(2))
+        g = (1 + 0.5 * torch.randn(k, device=DEV)).bfloat16()
+        y, r_out = gemv_w4.packed_gemv(x, pw, None, cfg, ADD_NORM, r, g, 1e-5)
+        h = norm.fused_add_rms_norm_torch(x, r, g, 1e-5)[0]
+        assert rel_err(y, h.float() @ w.t()) < 2e-2 and rel_err(r_out, x.float() + r.float()) < 1e-2
+        y = gemv_w4.packed_gemv(x, pw, None, cfg, NORM, None, g, 1e-5)
+        h = norm.fused_add_rms_norm_torch(x, torch.zeros_like(x), g, 1e-5)[0]
+        assert rel_err(y, h.float() @ w.t()) < 2e-2
+        gate_up = torch.randn(m, 2 * k, device=DEV).bfloat16()
+        y = gemv_w4.packed_gemv(gate_up, pw, None, cfg, SILU_MUL)
+        assert rel_err(y, activation.silu_and_mul_torch(gate_up).float() @ w.t()) < 2e-2

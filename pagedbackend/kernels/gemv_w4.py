@@ -3,15 +3,19 @@ load (uint8 [N, K * bits / 8] codes, low nibble first; scales and zeros [G, N]),
 serves both formats.
 
 Decode steps of 1-8 rows: a skinny W4A16 (or W8A16) matmul. Each program owns BLOCK_N output
-rows over the whole K and reads each weight byte once: a tile of BLOCK_K codes per row lies
-inside one group (BLOCK_K divides the group size), so its scale and zero are one load per row,
-the codes are unpacked and dequantized in registers ((q - z) * s in fp32, exact) and multiplied
+rows over the whole K and reads each weight byte once: a piece of a row's codes lies inside
+one group (an iteration takes several pieces), so its scale and zero are one load per row, the
+codes are unpacked and dequantized in registers ((q - z) * s in fp32, exact) and multiplied
 by the 16-bit input, broadcast products at one row, tensor-core dots (input tile padded to 16
 rows) at more. The tile is timed on the device per shape at first use (the GEMV tuner's
-timer), as gemv_tuning does for the 16-bit kernel.
-Wider steps dequantize the weight into a 16-bit buffer (one kernel, each byte read once) and
-run cuBLAS on it: at hundreds of rows the matmul is compute-bound and the dequantization's
-extra traffic (2.5 bytes per weight) is a small part of it.
+timer), as gemv_tuning does for the 16-bit kernel. Like that kernel it takes the prologue of
+the op before it (RMSNorm, residual add + RMSNorm, SiLU * up), is launched with programmatic
+dependent launch, and its first programs prefetch their codes into L2 before waiting.
+Wider steps run either the same kernel as a tiled GEMM (row tiles of 64-128, the dequantized
+weight tile fed to the tensor cores) or dequantize the weight into a 16-bit buffer (one kernel,
+each byte read once) and run cuBLAS on it, whichever was timed faster for the rows bucket: at
+hundreds of rows the matmul is compute-bound and the dequantization's extra traffic (2.5 bytes
+per weight) is a small part of it.
 """
 from __future__ import annotations
 
@@ -22,15 +26,24 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedbackend.kernels.common import dot_precision, mma
+from pagedbackend.kernels.common import (dot_precision, l2_prefetch, mma, pdl_launch,
+                                         pdl_trigger, pdl_wait, prefetch_programs)
+from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL, _input_tile
 
 logger = logging.getLogger("pagedbackend")
 
 MAX_ROWS = 8
-# (BLOCK_N, BLOCK_K, num_warps, num_stages[, dot]); BLOCK_K is capped at the group size
-CANDIDATES = ((64, 128, 4, 4), (32, 128, 4, 4), (128, 64, 4, 4), (16, 128, 2, 4),
-              (64, 64, 4, 6), (128, 128, 8, 3))
-DOT_CANDIDATES = ((64, 128, 4, 4, True), (32, 128, 4, 4, True), (128, 64, 4, 4, True))
+# (BLOCK_N, BLOCK_K, num_warps, num_stages[, dot[, BLOCK_M]]); BLOCK_K spans whole groups
+# (pieces of one group each, _tile_k). Narrow tiles give the ~130 SMs enough programs on
+# llama-3.1-8b's o_proj / down_proj (N = 4096); wide BLOCK_K keeps each program's bytes in flight.
+CANDIDATES = ((16, 1024, 4, 3), (8, 1024, 4, 4), (32, 512, 4, 4), (16, 512, 4, 4),
+              (64, 128, 4, 4), (32, 256, 4, 3), (8, 2048, 4, 3), (64, 256, 8, 3))
+DOT_CANDIDATES = ((32, 512, 4, 3, True), (64, 128, 4, 4, True), (16, 512, 4, 4, True))
+# wider steps: the same kernel as a tiled GEMM (a grid over row tiles of BLOCK_M), timed per
+# rows bucket against dequantize + cuBLAS
+GEMM_CANDIDATES = ((128, 64, 8, 3, True, 128), (128, 64, 4, 4, True, 64),
+                   (64, 128, 4, 4, True, 64), (128, 128, 8, 3, True, 64))
+MAX_GEMM_ROWS = 16384
 # (device, rows bucket, N, K, dtype, bits, group) -> the tile, or None: dequantize + cuBLAS
 _CHOICE: dict[tuple, tuple | None] = {}
 
@@ -54,38 +67,68 @@ def _codes_tile(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP: tl.constexpr, BITS:
 
 
 @triton.jit
-def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps,
+                        M, N, K, stride_xm, stride_ym, stride_rm, stride_rom,
                         GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr,
+                        USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr,
+                        prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    m = tl.arange(0, BLOCK_M)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = (m < M)[:, None]
     q_rows = q_ptr + n.to(tl.int64)[:, None] * (K * BITS // 8)
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    # the prologues of gemv.py's kernel (RMSNorm, residual add + RMSNorm, SiLU * up), by its
+    # _input_tile; program 0 of the N axis alone writes the residual sum
+    r_rows = r_ptr + m.to(tl.int64)[:, None] * stride_rm
+    r_out_rows = r_out_ptr + m.to(tl.int64)[:, None] * stride_rom
+    store_ok = (m < M - M * tl.minimum(pid, 1))[:, None]
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # as gemv.py: the next kernel may start now; the first programs' codes (contiguous rows,
+    # written by no kernel) start towards L2 before the wait for the previous kernel's output
+    pdl_trigger(USE_PDL)
+    if PREFETCH:
+        if pid < prefetch_programs:
+            l2_prefetch(q_ptr + pid * BLOCK_N * (K * BITS // 8), BLOCK_N * (K * BITS // 8))
+    pdl_wait(USE_PDL)
     if USE_DOT:
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     elif BLOCK_M == 1:
-        acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
     else:
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, SUB_K], dtype=tl.float32)
+    # BLOCK_K columns per iteration in pieces of SUB_K, each inside one group: several groups'
+    # loads in flight per program without a scale per column
     for k0 in range(0, K, BLOCK_K):
-        w = _codes_tile(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N, BLOCK_K)
-        x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_ok, other=0.0)
-        if USE_DOT:
-            acc2 += mma(x, tl.trans(w.to(x.dtype)), PRECISION)
-        elif BLOCK_M == 1:
-            acc1 += x.to(tl.float32) * w
-        else:
-            acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
+        for i in tl.static_range(BLOCK_K // SUB_K):
+            kk = k0 + i * SUB_K
+            w = _codes_tile(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N, SUB_K)
+            k = kk + tl.arange(0, SUB_K)
+            if PROLOGUE == 0:
+                x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
+            else:
+                x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K,
+                                    True, PROLOGUE)
+                if PROLOGUE == 1 or PROLOGUE == 2:
+                    ss += sq
+            if USE_DOT:
+                xd = x.to(y_ptr.dtype.element_ty)
+                acc2 += mma(xd, tl.trans(w.to(xd.dtype)), PRECISION)
+            elif BLOCK_M == 1:
+                acc1 += x.to(tl.float32) * w
+            else:
+                acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
     if USE_DOT:
         y = acc2
     elif BLOCK_M == 1:
         y = tl.sum(acc1, axis=1)[None, :]
     else:
         y = tl.sum(acc3, axis=2)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
@@ -103,6 +146,16 @@ def _dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, BITS:
     k = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], w.to(w_ptr.dtype.element_ty),
              mask=n_ok[:, None])
+
+
+def _tile_k(want: int, group: int, k: int) -> tuple[int, int]:
+    """(SUB_K, BLOCK_K): pieces inside one group, as many per iteration as `want` allows
+    while BLOCK_K divides K (no masked tail)."""
+    sub = _block_k(want, group)
+    pieces = max(want // sub, 1)
+    while k % (sub * pieces):
+        pieces -= 1
+    return sub, sub * pieces
 
 
 def _block_k(want: int, group: int) -> int:
@@ -124,40 +177,98 @@ def dequantize_packed(pw, dtype: torch.dtype) -> torch.Tensor:
     return w
 
 
-def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS, rows contiguous) @ W.T (+ bias) -> [M, N] in x's dtype, W the
-    PackedWeight (even groups), with one of CANDIDATES / DOT_CANDIDATES as the tile."""
-    m, k = x.shape
-    n = pw.shape[0]
+def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
+                prologue: int = PLAIN, residual: torch.Tensor | None = None,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0):
+    """x [M, K] (rows contiguous) @ W.T (+ bias) -> [M, N] in x's dtype, W the PackedWeight
+    (even groups), with one of CANDIDATES / DOT_CANDIDATES (M <= MAX_ROWS) or
+    GEMM_CANDIDATES (any M: row tiles of BLOCK_M) as the tile. The prologues are gemv.py's:
+    NORM, ADD_NORM (returning (y, x + residual)) and SILU_MUL (x = gate | up, [M, 2K])."""
+    m = x.shape[0]
+    n, k = pw.shape
     block_n, block_k, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
-    assert 1 <= m <= MAX_ROWS and x.stride(1) == 1 and k == pw.shape[1] and pw.g_idx is None
-    block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
+    assert m >= 1 and x.stride(1) == 1 and pw.g_idx is None
+    assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
+    if len(dot) > 1:
+        block_m = dot[1]
+    else:
+        assert m <= MAX_ROWS
+        block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _packed_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, m, n, k,
-        x.stride(0), y.stride(0), GROUP=pw.group_size, BITS=pw.bits, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=_block_k(block_k, pw.group_size), HAS_BIAS=bias is not None,
-        USE_DOT=use_dot, PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages)
-    return y
+    r = r_out = x
+    if prologue == ADD_NORM:
+        assert residual is not None and residual.shape == x.shape and residual.stride(1) == 1
+        r, r_out = residual, torch.empty_like(x)
+    if prologue in (NORM, ADD_NORM):
+        assert norm_weight is not None and norm_weight.shape == (k,)
+    sub_k, block_k = _tile_k(block_k, pw.group_size, k)
+    row_tiles = triton.cdiv(m, block_m)
+    pf = prefetch_programs(pw.qweight, block_n * pw.qweight.shape[1], prologue == PLAIN) \
+        if n % block_n == 0 and row_tiles == 1 else 0
+    _packed_gemv_kernel[(triton.cdiv(n, block_n), row_tiles)](
+        x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, r, r_out,
+        norm_weight if norm_weight is not None else y, eps, m, n, k,
+        x.stride(0), y.stride(0), r.stride(0), r_out.stride(0), GROUP=pw.group_size,
+        BITS=pw.bits, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, USE_DOT=use_dot,
+        PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
+        PREFETCH=pf > 0, num_warps=warps, num_stages=stages, **pdl_launch(x))
+    return (y, r_out) if prologue == ADD_NORM else y
 
 
 def packed_linear(x: torch.Tensor, pw, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ W.T (+ bias) on the GPU: the skinny kernel for 1-8 rows, else dequantize +
-    cuBLAS (and always for uneven groups: act order's row-parallel shards)."""
-    if pw.g_idx is not None or x.shape[0] > MAX_ROWS or x.shape[0] == 0:
+    """x [M, K] @ W.T (+ bias) on the GPU: the skinny kernel for 1-8 rows, the tiled GEMM or
+    dequantize + cuBLAS above, whichever was timed faster for the rows bucket (dequantize +
+    cuBLAS always for uneven groups: act order's row-parallel shards)."""
+    if pw.g_idx is not None or x.shape[0] > MAX_GEMM_ROWS or x.shape[0] == 0:
         return F.linear(x, pw.dequantize(x.dtype), bias)
     x = x if x.stride(1) == 1 else x.contiguous()
-    key = (x.device.index, triton.next_power_of_2(x.shape[0]), *pw.shape, x.dtype, pw.bits,
-           pw.group_size)
-    if key not in _CHOICE:
-        if torch.cuda.is_current_stream_capturing():     # tuned in the eager warm-up first
-            return packed_gemv(x, pw, bias, CANDIDATES[0])
-        _CHOICE[key] = _tune(x, pw, bias)
-    cfg = _CHOICE[key]
+    cfg = _config(x, pw, bias)
     if cfg is None:
         return F.linear(x, pw.dequantize(x.dtype), bias)
     return packed_gemv(x, pw, bias, cfg)
+
+
+def _config(x: torch.Tensor, pw, bias) -> tuple | None:
+    """The tile timed fastest for x's rows bucket (tuned at first sight, outside CUDA-graph
+    capture: the graphs' eager warm-up), or None for dequantize + cuBLAS."""
+    key = (x.device.index, triton.next_power_of_2(x.shape[0]), *pw.shape, x.dtype, pw.bits,
+           pw.group_size)
+    if key not in _CHOICE:
+        if torch.cuda.is_current_stream_capturing():
+            return CANDIDATES[0] if x.shape[0] <= MAX_ROWS else GEMM_CANDIDATES[0]
+        _CHOICE[key] = _tune(x, pw, bias)
+    return _CHOICE[key]
+
+
+def maybe_packed_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
+                             norm_weight: torch.Tensor, eps: float, pw, bias):
+    """(rms_norm(x [+ residual]) @ W.T + b, the new residual) in one kernel for a decode step
+    of 1-8 rows on a PackedWeight without act order, with the tile chosen for the plain
+    matmul; else None (the caller runs the norm, then the layer)."""
+    if not _fusable(x, pw) or norm_weight.dtype != x.dtype or residual is not None and (
+            residual.dtype != x.dtype or residual.stride(1) != 1):
+        return None
+    cfg = _config(x, pw, bias)
+    if cfg is None:
+        return None
+    if residual is None:
+        return packed_gemv(x, pw, bias, cfg, NORM, None, norm_weight, eps), x
+    return packed_gemv(x, pw, bias, cfg, ADD_NORM, residual, norm_weight, eps)
+
+
+def maybe_packed_silu_linear(gate_up: torch.Tensor, pw) -> torch.Tensor | None:
+    """(silu(gate) * up) @ W.T over gate_up = gate | up in one kernel (as above), else None."""
+    if not _fusable(gate_up, pw) or gate_up.shape[1] != 2 * pw.shape[1]:
+        return None
+    cfg = _config(gate_up[:, :pw.shape[1]], pw, None)
+    return None if cfg is None else packed_gemv(gate_up, pw, None, cfg, SILU_MUL)
+
+
+def _fusable(x: torch.Tensor, pw) -> bool:
+    return pw.g_idx is None and pw.perm is None and x.dim() == 2 \
+        and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1
 
 
 def _tune(x: torch.Tensor, pw, bias) -> tuple | None:
@@ -169,7 +280,13 @@ def _tune(x: torch.Tensor, pw, bias) -> tuple | None:
     ref = F.linear(xs, pw.dequantize(x.dtype), bias).float()
     base = _time_us(lambda: F.linear(xs, pw.dequantize(x.dtype), bias))
     best, best_us = None, base
-    for cfg in CANDIDATES + (DOT_CANDIDATES if rows > 1 else ()):
+    # broadcast products of several rows hold rows x BLOCK_N x piece fp32 partial sums: only
+    # tiles that keep them to <= 64 registers a thread
+    fma = tuple(c for c in CANDIDATES
+                if rows == 1 or rows * c[0] * _block_k(c[1], pw.group_size) <= 64 * 32 * c[2])
+    tiles = GEMM_CANDIDATES if rows > MAX_ROWS \
+        else fma + (DOT_CANDIDATES if rows > 1 else ())
+    for cfg in tiles:
         try:
             ok = torch.allclose(packed_gemv(xs, pw, bias, cfg).float(), ref, rtol=2e-2, atol=2e-2)
             us = _time_us(lambda cfg=cfg: packed_gemv(xs, pw, bias, cfg)) if ok else float("inf")
@@ -179,7 +296,7 @@ def _tune(x: torch.Tensor, pw, bias) -> tuple | None:
             continue
         if us < best_us:
             best, best_us = cfg, us
-    logger.info("W%dA16 GEMV rows<=%d N=%d K=%d group %d: dequantize + cuBLAS %.1f us, %s",
+    logger.info("W%dA16 matmul rows<=%d N=%d K=%d group %d: dequantize + cuBLAS %.1f us, %s",
                 pw.bits, rows, *pw.shape, pw.group_size, base,
                 f"triton {best} {best_us:.1f} us (chosen)" if best else "kept")
     return best

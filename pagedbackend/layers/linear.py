@@ -65,10 +65,15 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
     the pre-norm block's entry. On CUDA, where the skinny matmul serves proj's shape, the norm
     runs inside it (one kernel instead of two); with fp8 weights elsewhere the norm writes the
     FP8 GEMM's quantized input (layers/fp8_inputs.py)."""
-    if x.is_cuda and USE_KERNELS and proj.quant is None:
-        from pagedbackend.kernels.gemv_tuning import maybe_skinny_norm_linear
-        out = maybe_skinny_norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias,
-                                       proj.weight_scale)
+    if x.is_cuda and USE_KERNELS:
+        if proj.quant is not None:
+            from pagedbackend.kernels.gemv_w4 import maybe_packed_norm_linear
+            out = maybe_packed_norm_linear(x, residual, norm.weight, norm.eps, proj.quant,
+                                           proj.bias)
+        else:
+            from pagedbackend.kernels.gemv_tuning import maybe_skinny_norm_linear
+            out = maybe_skinny_norm_linear(x, residual, norm.weight, norm.eps, proj.weight,
+                                           proj.bias, proj.weight_scale)
         if out is not None:
             return out
     if proj.weight_scale is not None and fused_quant_active(x, proj.weight, norm.weight):
@@ -154,9 +159,13 @@ class RowParallelLinear(nn.Module):
         """forward(silu(gate) * up) over gate_up = [..., 2 * local_in]; on CUDA, where the skinny
         matmul serves this shape, the activation runs inside it; with fp8 weights elsewhere
         it writes the FP8 GEMM's quantized input."""
-        if gate_up.is_cuda and USE_KERNELS and self.quant is None:
-            from pagedbackend.kernels.gemv_tuning import maybe_skinny_silu_linear
-            y = maybe_skinny_silu_linear(gate_up, self.weight, self.weight_scale)
+        if gate_up.is_cuda and USE_KERNELS:
+            if self.quant is not None:
+                from pagedbackend.kernels.gemv_w4 import maybe_packed_silu_linear
+                y = maybe_packed_silu_linear(gate_up, self.quant)
+            else:
+                from pagedbackend.kernels.gemv_tuning import maybe_skinny_silu_linear
+                y = maybe_skinny_silu_linear(gate_up, self.weight, self.weight_scale)
             if y is not None:
                 return self._reduce(y)
         if self.weight_scale is not None and fused_quant_active(gate_up, self.weight):

@@ -46,6 +46,10 @@ class GroupQuantSpec:
         group = qc.get("group_size", qc.get("q_group_size"))
         _check(isinstance(group, int) and (group == -1 or group >= 8 and group % 8 == 0),
                "group_size", group, "-1 or a positive multiple of 8")
+        _check(not qc.get("modules_to_not_convert"), "modules_to_not_convert",
+               qc.get("modules_to_not_convert"), "empty (every decoder linear layer quantized)")
+        _check(not qc.get("lm_head"), "lm_head", qc.get("lm_head"),
+               "false (the LM head in 16 bits)")
         if method == "awq":
             version = str(qc.get("version", "gemm")).lower()
             _check(version == "gemm", "version", qc.get("version"), "'gemm' (AutoAWQ's GEMM "

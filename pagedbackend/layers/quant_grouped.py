@@ -41,6 +41,7 @@ class PackedWeight:
     zeros: torch.Tensor                # uint8 [G, N]
     g_idx: Optional[torch.Tensor]      # int32 [K] when groups are uneven, else None (k // size)
     perm: Optional[torch.Tensor]       # long [K]: input channel order (act order), or None
+    cpu_weight: Optional[torch.Tensor] = None    # the CPU's dequantized copy (see __call__)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -78,7 +79,11 @@ class PackedWeight:
             from pagedbackend.kernels.gemv_w4 import packed_linear
             y = packed_linear(x2, self, bias)
         else:
-            y = F.linear(x2, self.dequantize(x.dtype), bias)
+            # the CPU path serves tests and development: the dequantized weight is kept after
+            # the first call (speed over memory there; the GPU never holds it)
+            if self.cpu_weight is None or self.cpu_weight.dtype != x.dtype:
+                self.cpu_weight = self.dequantize(x.dtype)
+            y = F.linear(x2, self.cpu_weight, bias)
         return y.reshape(*lead, y.shape[-1])
 
 

@@ -87,7 +87,7 @@ def load_weights(model: nn.Module, model_dir: str, load_format: str = "auto", se
     found = checkpoint_quantization(hf_config, model_dir) if hf_config is not None else None
     if found in METHODS or quantization in METHODS:
         spec = GroupQuantSpec.from_config(hf_config["quantization_config"]) if found in METHODS \
-            else GroupQuantSpec(quantization, 4, 128)
+            else GroupQuantSpec(quantization, 4, _dummy_group(hf_config or {}))
         _load_grouped(model, model_dir, fmt, spec, seed)
         return
     fp8_checkpoint = found == "fp8"
@@ -107,6 +107,16 @@ def load_weights(model: nn.Module, model_dir: str, load_format: str = "auto", se
     elif quantization == "int8":
         layers = quantize_model_fp8(model, torch.int8)
         logger.info("quantization int8: %d linear layers in int8 (per-channel scales)", layers)
+
+
+def _dummy_group(hf_config: dict) -> int:
+    """Dummy AWQ / GPTQ weights: groups of 128, or the largest smaller power of two dividing
+    every layer's input (tiny test models)."""
+    heads = hf_config.get("num_attention_heads", 1)
+    head_dim = hf_config.get("head_dim") or hf_config.get("hidden_size", 128) // heads
+    sizes = [hf_config.get("hidden_size", 128), hf_config.get("intermediate_size", 128),
+             heads * head_dim]
+    return next((g for g in (128, 64, 32, 16, 8) if all(k % g == 0 for k in sizes)), -1)
 
 
 def _load_grouped(model: nn.Module, model_dir: str, fmt: str, spec: GroupQuantSpec,
