@@ -148,9 +148,11 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
     best, best_us = None, float("inf")
     # the tensor-core tiles from 2 rows (at one row none beat the broadcast products' tiles on
     # the H200, bf16 or fp8: perf/RESULTS.md calls 41-42); fp8's integer-widening tiles at one
-    # row (where the FMA tiles run)
+    # row (where the FMA tiles run), for e4m3 weights only (int8 ones are not e4m3 bits: on
+    # the H200 every such tile failed on int8 weights, call 51)
+    widen = scale is not None and weight.dtype == torch.float8_e4m3fn and rows == 1
     tiles = CANDIDATES + (FP8_CANDIDATES if scale is not None else ()) + DOT_CANDIDATES \
-        + (FP8_WIDEN_CANDIDATES if scale is not None and rows == 1 else ())
+        + (FP8_WIDEN_CANDIDATES if widen else ())
     for cfg in (c for c in tiles if rows > 1 or len(c) == 4 or not c[4]):
         try:
             # a tile that is wrong here (e.g. a miscompile) or fails is never chosen; the
