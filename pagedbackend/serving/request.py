@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from pagedbackend.engine.generation_config import apply_defaults
 from pagedbackend.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -67,9 +68,12 @@ class ParsedRequest:
 
 
 def parse_request(inputs: Mapping[str, Optional[np.ndarray]],
-                  parameters: Optional[Mapping[str, Any]] = None) -> ParsedRequest:
+                  parameters: Optional[Mapping[str, Any]] = None,
+                  defaults: Optional[Mapping[str, Any]] = None) -> ParsedRequest:
     """`inputs`: tensor name -> array (absent tensors missing or None). Shapes may carry a leading
-    batch dimension of 1. `parameters`: Triton request parameters (already JSON-decoded)."""
+    batch dimension of 1. `parameters`: Triton request parameters (already JSON-decoded).
+    `defaults`: the model's generation_config.json values (LLMEngine.default_sampling_fields)
+    for the sampling fields the request does not set in any of its forms."""
     inputs = {k: v for k, v in inputs.items() if v is not None}
     fields: dict[str, Any] = {}
     flags: dict[str, Any] = {name: default for name, (_, default) in FLAG_TENSORS.items()}
@@ -114,6 +118,8 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]],
         if fields.get(key, required) != required:
             raise RequestError(f"{key}={fields[key]!r} is invalid: must be {required} "
                                f"(one sequence per Triton request)")
+    if defaults and beam_width == 1:     # beam search samples nothing: no sampling defaults
+        fields = apply_defaults(fields, defaults)
     try:
         params = SamplingParams(**fields)
     except ValueError as e:          # already "<field>=<value> is invalid: must be <range>"
@@ -252,6 +258,9 @@ def _json_object(arr: Any) -> dict:
     except json.JSONDecodeError as e:
         raise RequestError(f"sampling_parameters is not valid JSON: {e.msg} at "
                            f"position {e.pos}") from None
+    except RecursionError:
+        raise RequestError("sampling_parameters is nested too deeply: must be a JSON object "
+                           "of sampling fields") from None
     if not isinstance(obj, dict):
         raise RequestError("sampling_parameters must be a JSON object")
     return obj
@@ -267,7 +276,7 @@ def _coerce_field(field: str, value: Any, where: str) -> Any:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 pass
         if not isinstance(value, dict):
             raise RequestError(f"{where}={value!r} is invalid: must be a JSON object")
@@ -277,7 +286,7 @@ def _coerce_field(field: str, value: Any, where: str) -> Any:
             try:
                 parsed = json.loads(value)
                 value = parsed if isinstance(parsed, list) else [value]
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 value = [value]
         if not isinstance(value, list):
             raise RequestError(f"{where}={value!r} is invalid: must be a list")
