@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedbackend.serving.launcher import (ENGINE_PARAMETERS, REPO_ROOT,  # noqa: E402
                                            TritonServer, env_overrides,
-                                           materialize_repository, server_env)
+                                           materialize_repository, remove_shm, server_env,
+                                           shm_regions)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -132,6 +133,7 @@ def _signal_groups(procs: list[subprocess.Popen], sig: int) -> None:
 def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
     """SIGTERM every group, SIGKILL what is still there after grace_s, reap the children. The
     terminal's Ctrl-C never reaches them (own sessions), so this is their one signal."""
+    regions = [r for p in procs for r in shm_regions(p.pid)]
     _signal_groups(procs, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(_group_alive(p) for p in procs):
@@ -139,6 +141,7 @@ def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
     _signal_groups(procs, signal.SIGKILL)
     for p in procs:
         p.wait()
+    remove_shm(regions)           # a killed server leaves its stubs' /dev/shm regions behind
 
 
 def _group_alive(p: subprocess.Popen) -> bool:

@@ -139,6 +139,29 @@ def server_env(tritonserver: Optional[Path] = None) -> dict[str, str]:
     return env
 
 
+def shm_regions(pgid: int) -> list[str]:
+    """The Python backend's shared-memory regions (/dev/shm names) of the stubs in process group
+    `pgid`, read from their command lines: what a SIGKILLed server leaves behind."""
+    names = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.getpgid(int(proc.name)) != pgid:
+                continue
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        names += [a.decode() for a in args if a.startswith(b"triton_python_backend_shm_region")]
+    return names
+
+
+def remove_shm(names: list[str]) -> None:
+    for name in names:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass                               # removed by Triton itself on a clean exit
+
+
 class TritonServer:
     """One tritonserver process in its own process group, bound to 127.0.0.1."""
 
@@ -212,6 +235,7 @@ class TritonServer:
         except ProcessLookupError:
             return
         deadline = time.monotonic() + 5.0
+        regions = shm_regions(pgid)
         while time.monotonic() < deadline:     # stubs exit shortly after the server
             try:
                 os.killpg(pgid, 0)
@@ -223,3 +247,4 @@ class TritonServer:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        remove_shm(regions)
