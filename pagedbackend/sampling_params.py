@@ -22,6 +22,14 @@ MAX_TOKENS_LIMIT = 1 << 20
 # unbounded list from one client (20,000 bad words took 12 s) would stall every request.
 MAX_STOP_ENTRIES = 256
 MAX_STOP_CHARS = 1024
+# Bounds on structured outputs: xgrammar's compile time grows steeply with a schema's nesting
+# (200 levels of arrays: 1.8 s, 900: minutes) and a regex's alternations ((a|b)* x 80: 2.7 s),
+# and a compile cannot be interrupted. These keep known-pathological specs out; real schemas
+# nest far less than 32 levels of JSON (16 of schema).
+MAX_SCHEMA_DEPTH = 32
+MAX_REGEX_CHARS = 512
+MAX_GRAMMAR_CHARS = 65536          # EBNF, JSON schema text, all choices together
+MAX_CHOICES = 1024
 
 
 @dataclass
@@ -199,18 +207,36 @@ def check_structured_outputs(spec: Any) -> Optional[dict]:
             except (json.JSONDecodeError, RecursionError):
                 check(False, where, value, "a JSON schema (an object, or its JSON text)")
         check(isinstance(value, dict), where, value, "a JSON schema (an object)")
+        check(_depth(value) <= MAX_SCHEMA_DEPTH, where, value,
+              f"a JSON schema nested at most {MAX_SCHEMA_DEPTH} levels deep")
         value = json.dumps(value)             # property order kept: it is the output order
     elif kind == "json_object":
         check(value is True, where, value, "true")
     elif kind == "choice":
-        check(isinstance(value, list) and len(value) > 0
+        check(isinstance(value, list) and 0 < len(value) <= MAX_CHOICES
               and all(isinstance(c, str) and c for c in value), where, value,
-              "a non-empty list of non-empty strings")
+              f"a list of 1 to {MAX_CHOICES} non-empty strings")
         value = list(value)
     else:
         check(isinstance(value, str) and value.strip() != "", where, value,
               "a non-empty string" + (" (EBNF)" if kind == "grammar" else ""))
+    limit = MAX_REGEX_CHARS if kind == "regex" else MAX_GRAMMAR_CHARS
+    size = len(value) if isinstance(value, str) else len(json.dumps(value))
+    check(size <= limit, where, value, f"at most {limit} characters")
     return {kind: value}
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a JSON value, without recursion (a schema may be nested thousands
+    deep)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if d <= MAX_SCHEMA_DEPTH:
+                todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 @dataclass

@@ -183,6 +183,14 @@ def _trtllm_extras(inputs: Mapping[str, np.ndarray], fields: dict) -> tuple[int,
     return beam_width, length_penalty
 
 
+def max_prompt_chars(tokenizer: Any, max_tokens: int) -> int:
+    """Characters beyond which a text cannot tokenize to max_tokens tokens or fewer: no token's
+    string is longer than the vocabulary's longest (byte-level BPE: one character per byte), so
+    such a text is refused before the tokenizer spends seconds on it (10 MB: 44 s)."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return max_tokens * max(1, longest)
+
+
 def check_single_batch(inputs: Mapping[str, Optional[np.ndarray]]) -> None:
     """Inputs of a batching model carry a leading batch dimension; one request is one prompt."""
     for name, arr in inputs.items():
@@ -330,4 +338,5 @@ def _coerce_kind(kind: str, value: Any, where: str) -> Any:
         raise RequestError(f"{where}={value!r} is invalid: must be {want}") from None
 
 
-__all__ = ["ParsedRequest", "RequestError", "check_single_batch", "parse_request"]
+__all__ = ["ParsedRequest", "RequestError", "check_single_batch", "max_prompt_chars",
+           "parse_request"]
