@@ -56,8 +56,8 @@ def test_triton_request_parsing_takes_defaults_for_unset_fields_only():
     p = parse_request({**text, "temperature": np.array([[0.0]], np.float32)}, None,
                       defaults).params                    # a tensor sets it
     assert (p.temperature, p.top_p) == (0.0, 0.8)
-    p = parse_request({**text, "sampling_parameters": np.array([[b'{"top_p": 1.0}']],
-                                                                dtype=object)}, {"temperature": "1"},
+    json_top_p = np.array([[b'{"top_p": 1.0}']], dtype=object)
+    p = parse_request({**text, "sampling_parameters": json_top_p}, {"temperature": "1"},
                       defaults).params                    # JSON and request parameters set them
     assert (p.temperature, p.top_p) == (1.0, 1.0)
     assert parse_request(text).params.temperature == 1.0  # no defaults given: SamplingParams'
