@@ -287,3 +287,17 @@ def test_every_way_in_still_answers_greedily(via, triton, gateway, chat_prompt):
 
 def test_the_table_has_40_cases_through_3_ways_in():
     assert len({c.id for c in CASES}) >= 40 and {c.via for c in CASES} == {H, G, C, P}
+
+
+def test_gateway_warns_of_ignored_fields(caplog):
+    """Unknown fields are ignored as vLLM's server ignores them: with a warning naming them
+    (never their values); fields it reads, or OpenAI's without effect here, are not named."""
+    import logging
+
+    from client.openai_gateway.protocol import parse_chat, parse_completion
+    caplog.set_level(logging.WARNING, logger="openai_gateway")
+    parse_chat({**BASE[C], "temperature": 0, "metadata": {"a": "b"}, "guided_regex": "a+",
+                "stream_options": {"include_usage": False}}, MODEL)
+    assert "ignored" not in caplog.text
+    parse_completion({**BASE[P], "foo": "secret-value", "bar": 1}, MODEL)
+    assert "ignored: bar, foo" in caplog.text and "secret-value" not in caplog.text
