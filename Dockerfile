@@ -3,6 +3,10 @@
 # 8080, in one container started by deploy/serve_container.py.
 #   docker build -t pagedbackend .
 #   docker run --gpus all --shm-size 1g -p 8080:8080 -p 8002:8002 pagedbackend
+# Publish 8080 (the gateway; set PAGEDBACKEND_API_KEY) and, for Prometheus, 8002. Triton's 8000/8001
+# serve inference without a key: keep them inside the host or cluster. Their model-control,
+# shared-memory, trace and logging APIs are restricted (--http-restricted-api /
+# --grpc-restricted-protocol, deploy/serve_container.py) to PAGEDBACKEND_ADMIN_KEY.
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]

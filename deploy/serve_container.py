@@ -4,6 +4,9 @@ the failing status, so Kubernetes restarts the pod instead of serving half a sta
 
 Engine settings come from PAGEDBACKEND_<PARAMETER> variables (pagedbackend.serving.launcher), the
 API key from PAGEDBACKEND_API_KEY, aliases from PAGEDBACKEND_SERVED_MODEL_NAME (space-separated).
+Triton's model-control, shared-memory, trace and logging APIs answer only requests with the header
+`triton-admin-key: $PAGEDBACKEND_ADMIN_KEY` (gRPC: `triton-grpc-protocol-triton-admin-key`); unset,
+the key is random and they are closed.
 """
 from __future__ import annotations
 
@@ -16,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedbackend.serving.launcher import (DEFAULT_MODEL_DIR, REPO_ROOT, backend_directory,
-                                           env_overrides, find_tritonserver,
-                                           materialize_repository)
+from pagedbackend.serving.launcher import (DEFAULT_MODEL_DIR, REPO_ROOT, admin_key,
+                                           backend_directory, env_overrides, find_tritonserver,
+                                           materialize_repository, restricted_api_args)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,7 +52,9 @@ def commands(args: argparse.Namespace, workdir: Path) -> tuple[list[str], list[s
               "--grpc-address", args.host, "--grpc-port", str(args.grpc_port),
               "--metrics-address", args.host, "--metrics-port", str(args.metrics_port),
               "--model-control-mode", "explicit", "--load-model", "*",
-              "--allow-cpu-metrics", "true"]
+              "--allow-cpu-metrics", "true",
+              # model load/unload, shared memory, trace and logging only with the admin key
+              *restricted_api_args(admin_key())]
     gateway = [sys.executable, "-m", "client.openai_gateway",
                "--triton-grpc", f"127.0.0.1:{args.grpc_port}",
                "--host", args.host, "--port", str(args.gateway_port), "--tokenizer", model]

@@ -28,10 +28,22 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 MAX_SWAP_SPACE_GIB = 4096.0                 # per GPU; more is a typo (MiB meant?), not a host
 
 
+# Longest value an error echoes: a client's 10 MB stop list must not come back in the error.
+MAX_SHOWN_CHARS = 200
+
+
 def check(ok: bool, field: str, value: Any, allowed: str) -> None:
     """Raise the one error shape used for every bad setting: field, value, allowed range."""
     if not ok:
-        raise ValueError(f"{field}={value!r} is invalid: must be {allowed}")
+        raise ValueError(f"{field}={shown(value)} is invalid: must be {allowed}")
+
+
+def shown(value: Any) -> str:
+    """repr(value), cut to MAX_SHOWN_CHARS (the cut says how long it was)."""
+    text = repr(value)
+    if len(text) <= MAX_SHOWN_CHARS:
+        return text
+    return f"{text[:MAX_SHOWN_CHARS]}...<{len(text)} chars>"
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,9 @@ class EngineConfig:
     # processing overlap the GPU. None: on for a single CUDA device, off otherwise.
     async_scheduling: Optional[bool] = None
     max_n: int = 16                          # cap on SamplingParams.n
+    # Defaults of the sampling fields a request leaves unset: "auto" the model's
+    # generation_config.json, "vllm" none, or a folder holding one (vLLM's --generation-config)
+    generation_config: str = "auto"
     distributed_backend: Optional[str] = None  # TP: nccl on cuda, gloo on cpu
     # vLLM's speculative_config: a dict (or JSON text) of spec_decode.config.SpeculativeConfig
     # fields, stored as that dataclass; None: no speculative decoding
@@ -103,6 +118,9 @@ class EngineConfig:
               f"one of {LOAD_FORMATS}")
         check(_is_int(self.seed) and self.seed >= 0, "seed", self.seed, "an integer >= 0")
         check(_is_int(self.max_n) and self.max_n >= 1, "max_n", self.max_n, "an integer >= 1")
+        check(isinstance(self.generation_config, str) and self.generation_config != "",
+              "generation_config", self.generation_config,
+              "auto, vllm, or a folder holding generation_config.json")
         check(self.distributed_backend in (None, "gloo", "nccl"), "distributed_backend",
               self.distributed_backend, "None, 'gloo' or 'nccl'")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):

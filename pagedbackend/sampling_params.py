@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -16,6 +17,19 @@ MAX_N = 16
 # Largest per-request output length accepted before the model's context is known; the engine then
 # checks prompt + max_tokens against max_model_len.
 MAX_TOKENS_LIMIT = 1 << 20
+# Bounds on the lists checked at every step (stop strings, bad words, stop token ids): each entry
+# costs every step of the request, and bad words are tokenized on the engine's thread, so an
+# unbounded list from one client (20,000 bad words took 12 s) would stall every request.
+MAX_STOP_ENTRIES = 256
+MAX_STOP_CHARS = 1024
+# Bounds on structured outputs: xgrammar's compile time grows steeply with a schema's nesting
+# (200 levels of arrays: 1.8 s, 900: minutes) and a regex's alternations ((a|b)* x 80: 2.7 s),
+# and a compile cannot be interrupted. These keep known-pathological specs out; real schemas
+# nest far less than 32 levels of JSON (16 of schema).
+MAX_SCHEMA_DEPTH = 32
+MAX_REGEX_CHARS = 512
+MAX_GRAMMAR_CHARS = 65536          # EBNF, JSON schema text, all choices together
+MAX_CHOICES = 1024
 
 
 @dataclass
@@ -63,8 +77,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            check(isinstance(v, (int, float)) and not isinstance(v, bool) and v == v,
-                  name, v, "a number")
+            check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                  name, v, "a finite number")
             setattr(self, name, float(v))
         check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", self.n, f"an integer in [1, {MAX_N}]")
         check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
@@ -87,10 +101,10 @@ class SamplingParams:
               "an integer >= 0")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
               self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-              "a list of non-empty strings")
-        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-              self.stop_token_ids, "a list of token ids >= 0")
+        _check_words("stop", self.stop, blank_ok=True)   # "\n" is a common stop string
+        check(len(self.stop_token_ids) <= MAX_STOP_ENTRIES
+              and all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              self.stop_token_ids, f"a list of at most {MAX_STOP_ENTRIES} token ids >= 0")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             check(v is None or _is_int(v) and 0 <= v <= MAX_LOGPROBS, name, v,
@@ -124,14 +138,14 @@ class SamplingParams:
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         self.bad_words = list(self.bad_words or [])
-        check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
-              self.bad_words, "a list of non-empty strings")
+        _check_words("bad_words", self.bad_words, blank_ok=False)
         self.structured_outputs = check_structured_outputs(self.structured_outputs)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Every token id of logit_bias and allowed_token_ids in [0, vocab_size)."""
         for name, ids in (("logit_bias", self.logit_bias or ()),
-                          ("allowed_token_ids", self.allowed_token_ids or ())):
+                          ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("stop_token_ids", self.stop_token_ids)):
             bad = [t for t in ids if t >= vocab_size]
             check(not bad, name, bad[:8], f"token ids in [0, {vocab_size})")
 
@@ -154,6 +168,15 @@ class SamplingParams:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _check_words(name: str, words: list, blank_ok: bool) -> None:
+    """stop / bad_words: at most MAX_STOP_ENTRIES non-empty strings (non-blank unless blank_ok)
+    of at most MAX_STOP_CHARS characters."""
+    check(len(words) <= MAX_STOP_ENTRIES and all(
+        isinstance(w, str) and (w if blank_ok else w.strip()) and len(w) <= MAX_STOP_CHARS
+        for w in words), name, words, f"a list of at most {MAX_STOP_ENTRIES} non-empty strings "
+        f"of at most {MAX_STOP_CHARS} characters")
 
 
 def _token_id(key: Any) -> Optional[int]:
@@ -181,21 +204,39 @@ def check_structured_outputs(spec: Any) -> Optional[dict]:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 check(False, where, value, "a JSON schema (an object, or its JSON text)")
         check(isinstance(value, dict), where, value, "a JSON schema (an object)")
+        check(_depth(value) <= MAX_SCHEMA_DEPTH, where, value,
+              f"a JSON schema nested at most {MAX_SCHEMA_DEPTH} levels deep")
         value = json.dumps(value)             # property order kept: it is the output order
     elif kind == "json_object":
         check(value is True, where, value, "true")
     elif kind == "choice":
-        check(isinstance(value, list) and len(value) > 0
+        check(isinstance(value, list) and 0 < len(value) <= MAX_CHOICES
               and all(isinstance(c, str) and c for c in value), where, value,
-              "a non-empty list of non-empty strings")
+              f"a list of 1 to {MAX_CHOICES} non-empty strings")
         value = list(value)
     else:
         check(isinstance(value, str) and value.strip() != "", where, value,
               "a non-empty string" + (" (EBNF)" if kind == "grammar" else ""))
+    limit = MAX_REGEX_CHARS if kind == "regex" else MAX_GRAMMAR_CHARS
+    size = len(value) if isinstance(value, str) else len(json.dumps(value))
+    check(size <= limit, where, value, f"at most {limit} characters")
     return {kind: value}
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a JSON value, without recursion (a schema may be nested thousands
+    deep)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if d <= MAX_SCHEMA_DEPTH:
+                todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 @dataclass

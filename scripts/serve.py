@@ -8,7 +8,8 @@ Engine settings default to model_repository/engine/config.pbtxt `parameters`; a 
 environment variable PAGEDBACKEND_<SETTING> (e.g. PAGEDBACKEND_MAX_MODEL_LEN=4096) overrides one
 without editing files: the repository is materialised in a temporary folder with the values
 substituted. Ports come from flags or TRITON_HTTP_PORT / TRITON_GRPC_PORT / TRITON_METRICS_PORT /
-GATEWAY_PORT. Everything listens on 127.0.0.1. Ctrl-C or SIGTERM stops all it started.
+GATEWAY_PORT. Everything listens on 127.0.0.1. Ctrl-C or SIGTERM stops all it started within
+STOP_GRACE_S seconds (then SIGKILL); a second Ctrl-C kills at once.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedbackend.serving.launcher import (ENGINE_PARAMETERS, REPO_ROOT,  # noqa: E402
                                            TritonServer, env_overrides,
-                                           materialize_repository, server_env)
+                                           materialize_repository, remove_shm, server_env,
+                                           shm_regions)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,6 +60,15 @@ def gateway_available() -> bool:
         return False
 
 
+# Seconds the first Ctrl-C (or SIGTERM) gives Triton and the gateway to exit before SIGKILL;
+# a second Ctrl-C kills at once.
+STOP_GRACE_S = float(os.environ.get("PAGEDBACKEND_STOP_GRACE_S", 5))
+
+
+class Stopping(Exception):
+    """Raised by the first Ctrl-C / SIGTERM wherever main() is (also inside wait_ready)."""
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     overrides = env_overrides()
@@ -68,50 +79,78 @@ def main(argv=None) -> int:
     model_dir = overrides.get("model")
     server = TritonServer(repository, workdir, args.http_port, args.grpc_port,
                           args.metrics_port, log_verbose=args.log_verbose)
-    children: list[subprocess.Popen] = []
-    stopping = False
+    procs: list[subprocess.Popen] = []     # each leads its own process group
+    signals: list[int] = []
 
-    def stop(signum=None, frame=None):
-        nonlocal stopping
-        if stopping:
-            return
-        stopping = True
-        for child in children:
-            if child.poll() is None:
-                child.terminate()
-        server.stop()
-        for child in children:
-            try:
-                child.wait(10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-        shutil.rmtree(workdir, ignore_errors=True)
+    def on_signal(signum, frame):
+        signals.append(signum)
+        if len(signals) == 1:
+            raise Stopping()
+        print("stopping now", file=sys.stderr, flush=True)
+        _signal_groups(procs, signal.SIGKILL)      # second Ctrl-C: no more waiting
 
-    signal.signal(signal.SIGTERM, lambda s, f: (stop(), sys.exit(0)))
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     print(f"tritonserver: {' '.join(server.cmd)}", flush=True)
-    server.start()
     try:
+        procs.append(server.start().proc)
         server.wait_ready(timeout=float(os.environ.get("PAGEDBACKEND_START_TIMEOUT", 600)))
         print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics "
               f"{server.metrics_url}", flush=True)
         if not args.no_gateway and gateway_available():
             tokenizer = model_dir or str(REPO_ROOT / "models" / "smollm2-135m-instruct")
-            children.append(subprocess.Popen(
+            procs.append(subprocess.Popen(
                 [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", server.grpc_url,
                  "--triton-metrics", server.metrics_url,
                  "--host", "127.0.0.1", "--port", str(args.gateway_port), "--tokenizer",
                  str((REPO_ROOT / tokenizer).resolve())]
                 + (["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
                    if args.tool_call_parser else []),
-                cwd=str(REPO_ROOT), env=server_env()))
+                cwd=str(REPO_ROOT), env=server_env(), start_new_session=True))
             print(f"OpenAI gateway: http://127.0.0.1:{args.gateway_port}/v1", flush=True)
         while server.proc.poll() is None:
             time.sleep(0.5)
         return server.proc.returncode or 0
-    except KeyboardInterrupt:
+    except Stopping:
+        print("stopping (Ctrl-C again to kill at once)", file=sys.stderr, flush=True)
         return 0
     finally:
-        stop()
+        try:
+            _stop_all(procs, STOP_GRACE_S)
+        except Stopping:                  # a signal while stopping: kill what is left
+            _stop_all(procs, 0.0)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _signal_groups(procs: list[subprocess.Popen], sig: int) -> None:
+    for p in procs:
+        try:
+            os.killpg(p.pid, sig)     # the whole group: tritonserver's stubs too
+        except ProcessLookupError:
+            pass
+
+
+def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every group, SIGKILL what is still there after grace_s, reap the children. The
+    terminal's Ctrl-C never reaches them (own sessions), so this is their one signal."""
+    regions = [r for p in procs for r in shm_regions(p.pid)]
+    _signal_groups(procs, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_group_alive(p) for p in procs):
+        time.sleep(0.1)
+    _signal_groups(procs, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+    remove_shm(regions)           # a killed server leaves its stubs' /dev/shm regions behind
+
+
+def _group_alive(p: subprocess.Popen) -> bool:
+    p.poll()                          # reap the leader, or its zombie keeps the group alive
+    try:
+        os.killpg(p.pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 if __name__ == "__main__":

@@ -328,8 +328,9 @@ def test_auth_on_every_protected_route(gateway):
                           headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200, r.text
     assert httpx.get(base + "/health").status_code == 200
-    # Prometheus scrapes without a key, as from vLLM's server: Triton's metrics, vllm:* included
-    r = httpx.get(base + "/metrics", timeout=30)
+    # /metrics needs the key too (Prometheus can send it); Triton's metrics, vllm:* included
+    assert httpx.get(base + "/metrics", timeout=30).status_code == 401
+    r = httpx.get(base + "/metrics", timeout=30, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     assert 'vllm:num_requests_running{model_name="smollm2-135m-instruct"}' in r.text
 

@@ -853,7 +853,8 @@ def test_metrics_route_passes_triton_s_text_or_says_503(fake, tmp_path):
     page = tmp_path / "metrics"
     page.write_text('vllm:num_requests_running{model_name="m"} 3\n')
     client = TestClient(create_app(fake, ["smol"], api_key=KEY, metrics_url=page.as_uri()))
-    r = client.get("/metrics")                                    # no key needed
+    assert client.get("/metrics").status_code == 401              # the key, as on every route
+    r = client.get("/metrics", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and r.text == page.read_text()
     gone = TestClient(create_app(fake, ["smol"], metrics_url=(tmp_path / "none").as_uri()))
     r = gone.get("/metrics")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import json
 import logging
 import time
 import urllib.request
@@ -20,14 +19,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from client.openai_gateway.backend import Backend, BackendError
+from client.openai_gateway.body import read_json
 from client.openai_gateway.errors import APIError, from_triton
 from client.openai_gateway.prompts import PromptRenderer
 from client.openai_gateway.protocol import parse_chat, parse_completion, unknown_model
 from client.openai_gateway.serving import Generation
 
 log = logging.getLogger("openai_gateway")
-# Open without the key, as in vLLM's server: probes and Prometheus scrapers send none.
-PUBLIC_PATHS = ("/health", "/metrics")
+# Open without the key: probes send none. (/metrics needs the key when one is set; Prometheus
+# sends it with `authorization: {credentials: ...}`, or scrapes Triton's metrics port.)
+PUBLIC_PATHS = ("/health",)
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
@@ -163,28 +164,6 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._gen.cancel()
-
-
-async def read_json(request: Request, limit: int):
-    """The body as JSON: 413 past `limit` bytes (declared or streamed), 400 if it is not JSON."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    buf = bytearray()
-    async for part in request.stream():
-        buf += part
-        if len(buf) > limit:
-            raise _too_large(limit)
-    try:
-        return json.loads(buf)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}",
-                       code="invalid_json") from None
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than {limit} bytes",
-                    code="request_too_large")
 
 
 async def until_disconnect(request: Request, coro, gen: Generation, poll_s: float = 0.25):

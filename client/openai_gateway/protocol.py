@@ -1,11 +1,12 @@
 """OpenAI request bodies → one validated `GenerationRequest` (vLLM's SamplingParams names).
 
 Validation reuses `pagedbackend.SamplingParams`, so the gateway and the engine agree on every range
-and every 400 names the field the way the client spelled it. Unknown fields are ignored, as OpenAI
-does.
+and every 400 names the field the way the client spelled it. Unknown fields are ignored with a
+warning, as vLLM's server does.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -15,6 +16,7 @@ from pagedbackend.sampling_params import STRUCTURED_KINDS, SamplingParams
 from client.openai_gateway.errors import APIError, bad_request, from_value_error
 from client.openai_gateway.tools import ToolChoice, parse_tools
 
+log = logging.getLogger("openai_gateway")
 Prompt = Union[str, list]          # text, or token ids the gateway decodes
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Body fields passed to the engine unchanged (OpenAI's and vLLM's sampling extras).
@@ -102,8 +104,24 @@ def parse_chat(body: Any, default_model: str,
     return req
 
 
+# Body fields read here, and OpenAI's that change nothing on this server; any other field is
+# ignored with a warning naming it (not its value), as vLLM's server does.
+_READ = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n",
+         "stream", "stream_options", "priority", "cache_salt", "user", "logprobs", "top_logprobs",
+         "echo", "response_format", "structured_outputs", "tools", "tool_choice",
+         "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
+         "use_beam_search", *_SAMPLING_FIELDS}
+_NO_EFFECT = {"metadata", "store", "parallel_tool_calls", "service_tier", "suffix", "best_of",
+              "functions", "function_call", "modalities", "audio", "prediction",
+              "reasoning_effort", "web_search_options", "request_id"}
+
+
 def _common(body: dict, kind: str, default_model: str, prompts: list, logprobs: Any,
             renames: dict, default_max_tokens: Optional[int]) -> GenerationRequest:
+    ignored = sorted(k for k in body if k not in _READ and k not in _NO_EFFECT
+                     and k not in _GUIDED)
+    if ignored:
+        log.warning("fields present in the request but ignored: %s", ", ".join(ignored)[:500])
     model = body.get("model", default_model)
     if not isinstance(model, str) or not model:
         raise bad_request("model must be a non-empty string", param="model")

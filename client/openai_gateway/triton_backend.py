@@ -98,6 +98,8 @@ class TritonBackend:
         extra = {}
         for field, value in req.params.items():
             tensor = _TENSORS.get(field)
+            if tensor is not None and not _fits(value, tensor[1]):
+                tensor = None        # e.g. top_k=10**12: exact in the JSON, wrapped in an INT32
             if value is None or value == [] or tensor is None or tensor[0] not in names:
                 if value is not None and value != []:
                     extra[field] = value
@@ -172,6 +174,14 @@ class TritonBackend:
                 # The client went away (or we failed): cancelling the gRPC call makes Triton cancel
                 # the request, and the engine aborts it and frees its KV blocks.
                 stream.cancel()
+
+
+def _fits(value, dtype: str) -> bool:
+    """Whether an integer value survives the tensor's integer type unchanged."""
+    bounds = {"INT32": (-2**31, 2**31), "UINT64": (0, 2**64)}.get(dtype)
+    if bounds is None or not isinstance(value, int) or isinstance(value, bool):
+        return True
+    return bounds[0] <= value < bounds[1]
 
 
 def _is_final(result) -> bool:

@@ -34,6 +34,9 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  priority: Optional[Sequence[int]] = None,
@@ -42,7 +45,8 @@ class LLM:
         use_tqdm: a progress bar of finished requests, as vLLM's (shown only on a terminal)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        # None: the model's generation_config.json values (vLLM's get_default_sampling_params)
+        params = sampling_params or self.engine.default_sampling_params()
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         ids = []
         try:

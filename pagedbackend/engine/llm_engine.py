@@ -14,6 +14,7 @@ from pagedbackend.config import EngineConfig, check
 from pagedbackend.core.kv_cache_manager import KVCacheManager
 from pagedbackend.core.request import Request, RequestStatus
 from pagedbackend.core.scheduler import Scheduler
+from pagedbackend.engine.generation_config import default_params, load_sampling_defaults
 from pagedbackend.engine.model_files import load_model_files
 from pagedbackend.engine.output_processor import OutputProcessor
 from pagedbackend.engine.structured_outputs import GrammarCompiler
@@ -23,6 +24,8 @@ from pagedbackend.sampling_params import SamplingParams
 logger = logging.getLogger("pagedbackend")
 
 PromptType = Union[str, Sequence[int], dict]
+# A tenant's name or a random token: far below what would cost hashing or memory per request.
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass
@@ -95,6 +98,8 @@ class LLMEngine:
 
         self.config = config
         files = load_model_files(config)
+        # generation_config.json's sampling values: the defaults of fields a request leaves unset
+        self.sampling_defaults = load_sampling_defaults(config.generation_config, config.model)
         self.tokenizer = files.tokenizer
         self.runner = make_runner(config, files)
         info = files.info
@@ -150,16 +155,18 @@ class LLMEngine:
                     final_only: bool = False) -> None:
         """Validate and queue a request; raises ValueError naming the bad field.
 
-        final_only: step() reports this request once, when it finishes (offline use)."""
-        params = params or SamplingParams()
+        final_only: step() reports this request once, when it finishes (offline use).
+        Without params: the model's generation_config.json defaults (default_sampling_params)."""
+        params = params or self.default_sampling_params()
         check(isinstance(request_id, str) and request_id != "", "request_id", request_id,
               "a non-empty string")
         check(not self.outputs.has(request_id), "request_id", request_id,
               "unique among unfinished requests")
         check(isinstance(priority, int) and not isinstance(priority, bool), "priority", priority,
               "an integer")
-        check(cache_salt is None or isinstance(cache_salt, str), "cache_salt", cache_salt,
-              "a string")
+        check(cache_salt is None or isinstance(cache_salt, str)
+              and len(cache_salt) <= MAX_CACHE_SALT_CHARS, "cache_salt", cache_salt,
+              f"a string of at most {MAX_CACHE_SALT_CHARS} characters")
         check(params.n <= self.config.max_n, "n", params.n, f"an integer in [1, {self.config.max_n}]")
         prompt_text, ids = self.tokenize_prompt(prompt)
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
@@ -169,7 +176,9 @@ class LLMEngine:
         check(len(ids) < info.max_model_len, "prompt", f"<{len(ids)} tokens>",
               f"at most {info.max_model_len - 1} tokens (max_model_len={info.max_model_len})")
         room = info.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else params.max_tokens
+        # None: up to the context, or to generation_config.json's max_new_tokens (as vLLM)
+        max_tokens = min(room, self.sampling_defaults.get("max_tokens", room)) \
+            if params.max_tokens is None else params.max_tokens
         check(max_tokens <= room, "max_tokens", params.max_tokens,
               f"at most {room} for this {len(ids)}-token prompt "
               f"(prompt + max_tokens <= max_model_len={info.max_model_len})")
@@ -211,6 +220,15 @@ class LLMEngine:
                          final_only=final_only)
         for child in children:
             self.scheduler.add_request(child)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """vLLM's get_default_sampling_params: SamplingParams with the model's
+        generation_config.json values (EngineConfig.generation_config="vllm": none)."""
+        return default_params(self.sampling_defaults)
+
+    def default_sampling_fields(self) -> dict:
+        """The generation_config.json values a request's unset fields take (Triton requests)."""
+        return dict(self.sampling_defaults)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's token ids as it would appear at the start of the text and after a

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -29,7 +30,8 @@ ENGINE_PARAMETERS = ("model", "block_size", "max_num_seqs", "max_model_len",
                      "dtype", "kv_cache_dtype", "quantization", "device", "enable_prefix_caching",
                      "num_kv_blocks", "kv_cache_memory_bytes", "load_format", "enforce_eager",
                      "seed", "async_scheduling", "max_responses_per_s", "stream_coalesce",
-                     "speculative_config", "swap_space", "preemption_mode")
+                     "speculative_config", "swap_space", "preemption_mode",
+                     "generation_config")
 ENV_PREFIX = "PAGEDBACKEND_"
 
 
@@ -139,13 +141,62 @@ def server_env(tritonserver: Optional[Path] = None) -> dict[str, str]:
     return env
 
 
+def shm_regions(pgid: int) -> list[str]:
+    """The Python backend's shared-memory regions (/dev/shm names) of the stubs in process group
+    `pgid`, read from their command lines: what a SIGKILLed server leaves behind."""
+    names = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.getpgid(int(proc.name)) != pgid:
+                continue
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        names += [a.decode() for a in args if a.startswith(b"triton_python_backend_shm_region")]
+    return names
+
+
+def remove_shm(names: list[str]) -> None:
+    for name in names:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass                               # removed by Triton itself on a clean exit
+
+
+# Triton's APIs no client of the models needs, each able to change or read out the server:
+# model load/unload (model-repository), shared-memory registration, tracing and log settings.
+# Restricted to requests that carry the header ADMIN_KEY_HEADER: <admin key> (Triton's own
+# --http-restricted-api / --grpc-restricted-protocol); health, metadata, model-config,
+# statistics and inference stay open.
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
+ADMIN_KEY_HEADER = "triton-admin-key"
+ADMIN_KEY_ENV = "PAGEDBACKEND_ADMIN_KEY"
+
+
+def restricted_api_args(admin_key: str) -> list[str]:
+    apis = ",".join(RESTRICTED_APIS)
+    return [f"--http-restricted-api={apis}:{ADMIN_KEY_HEADER}={admin_key}",
+            f"--grpc-restricted-protocol={apis}:{ADMIN_KEY_HEADER}={admin_key}"]
+
+
+def admin_key(environ: Mapping[str, str] = os.environ) -> str:
+    """$PAGEDBACKEND_ADMIN_KEY, or a random key nobody knows (the APIs are then closed)."""
+    return environ.get(ADMIN_KEY_ENV) or secrets.token_hex(16)
+
+
 class TritonServer:
-    """One tritonserver process in its own process group, bound to 127.0.0.1."""
+    """One tritonserver process in its own process group, bound to 127.0.0.1, its admin APIs
+    (RESTRICTED_APIS) open only to requests with `admin_headers`."""
 
     def __init__(self, repository: Path, workdir: Path, http_port: int = 8000,
                  grpc_port: int = 8001, metrics_port: int = 8002, log_verbose: int = 0,
                  extra_args: tuple[str, ...] = ()):
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        key = admin_key()
+        self.admin_headers = {ADMIN_KEY_HEADER: key}
+        # Triton's gRPC side reads the header with this prefix
+        self.admin_grpc_headers = {f"triton-grpc-protocol-{ADMIN_KEY_HEADER}": key}
         binary = find_tritonserver()
         self.env = server_env(binary)
         self.cmd = [
@@ -158,6 +209,7 @@ class TritonServer:
             "--model-control-mode", "explicit", "--load-model", "*",
             "--allow-cpu-metrics", "true", "--log-verbose", str(log_verbose),
             "--exit-timeout-secs", "10",
+            *restricted_api_args(key),
             *extra_args]
         self.proc: Optional[subprocess.Popen] = None
 
@@ -212,6 +264,7 @@ class TritonServer:
         except ProcessLookupError:
             return
         deadline = time.monotonic() + 5.0
+        regions = shm_regions(pgid)
         while time.monotonic() < deadline:     # stubs exit shortly after the server
             try:
                 os.killpg(pgid, 0)
@@ -223,3 +276,4 @@ class TritonServer:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        remove_shm(regions)

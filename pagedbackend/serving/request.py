@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from pagedbackend.engine.generation_config import apply_defaults
 from pagedbackend.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -67,9 +68,12 @@ class ParsedRequest:
 
 
 def parse_request(inputs: Mapping[str, Optional[np.ndarray]],
-                  parameters: Optional[Mapping[str, Any]] = None) -> ParsedRequest:
+                  parameters: Optional[Mapping[str, Any]] = None,
+                  defaults: Optional[Mapping[str, Any]] = None) -> ParsedRequest:
     """`inputs`: tensor name -> array (absent tensors missing or None). Shapes may carry a leading
-    batch dimension of 1. `parameters`: Triton request parameters (already JSON-decoded)."""
+    batch dimension of 1. `parameters`: Triton request parameters (already JSON-decoded).
+    `defaults`: the model's generation_config.json values (LLMEngine.default_sampling_fields)
+    for the sampling fields the request does not set in any of its forms."""
     inputs = {k: v for k, v in inputs.items() if v is not None}
     fields: dict[str, Any] = {}
     flags: dict[str, Any] = {name: default for name, (_, default) in FLAG_TENSORS.items()}
@@ -114,6 +118,8 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]],
         if fields.get(key, required) != required:
             raise RequestError(f"{key}={fields[key]!r} is invalid: must be {required} "
                                f"(one sequence per Triton request)")
+    if defaults and beam_width == 1:     # beam search samples nothing: no sampling defaults
+        fields = apply_defaults(fields, defaults)
     try:
         params = SamplingParams(**fields)
     except ValueError as e:          # already "<field>=<value> is invalid: must be <range>"
@@ -175,6 +181,14 @@ def _trtllm_extras(inputs: Mapping[str, np.ndarray], fields: dict) -> tuple[int,
                                f"{kind!r} needs one")
         fields["structured_outputs"] = {GUIDE_TYPES[kind]: True if kind == "json" else guide}
     return beam_width, length_penalty
+
+
+def max_prompt_chars(tokenizer: Any, max_tokens: int) -> int:
+    """Characters beyond which a text cannot tokenize to max_tokens tokens or fewer: no token's
+    string is longer than the vocabulary's longest (byte-level BPE: one character per byte), so
+    such a text is refused before the tokenizer spends seconds on it (10 MB: 44 s)."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return max_tokens * max(1, longest)
 
 
 def check_single_batch(inputs: Mapping[str, Optional[np.ndarray]]) -> None:
@@ -252,6 +266,9 @@ def _json_object(arr: Any) -> dict:
     except json.JSONDecodeError as e:
         raise RequestError(f"sampling_parameters is not valid JSON: {e.msg} at "
                            f"position {e.pos}") from None
+    except RecursionError:
+        raise RequestError("sampling_parameters is nested too deeply: must be a JSON object "
+                           "of sampling fields") from None
     if not isinstance(obj, dict):
         raise RequestError("sampling_parameters must be a JSON object")
     return obj
@@ -267,7 +284,7 @@ def _coerce_field(field: str, value: Any, where: str) -> Any:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 pass
         if not isinstance(value, dict):
             raise RequestError(f"{where}={value!r} is invalid: must be a JSON object")
@@ -277,7 +294,7 @@ def _coerce_field(field: str, value: Any, where: str) -> Any:
             try:
                 parsed = json.loads(value)
                 value = parsed if isinstance(parsed, list) else [value]
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 value = [value]
         if not isinstance(value, list):
             raise RequestError(f"{where}={value!r} is invalid: must be a list")
@@ -321,4 +338,5 @@ def _coerce_kind(kind: str, value: Any, where: str) -> Any:
         raise RequestError(f"{where}={value!r} is invalid: must be {want}") from None
 
 
-__all__ = ["ParsedRequest", "RequestError", "check_single_batch", "parse_request"]
+__all__ = ["ParsedRequest", "RequestError", "check_single_batch", "max_prompt_chars",
+           "parse_request"]

@@ -54,6 +54,8 @@ class TritonPythonModel:
         self.log = pb_utils.Logger
         # Built before initialize() returns: Triton reports the model ready only after this.
         self.engine = LLMEngine(config)
+        # generation_config.json's sampling values, for the fields a request leaves unset
+        self.sampling_defaults = self.engine.default_sampling_fields()
         served = params.get("served_model_name") or Path(config.model).name
         spec = config.speculative_config
         self.metrics = ServingMetrics(pb_utils, served, log=self.log.log_warn,
@@ -77,11 +79,15 @@ class TritonPythonModel:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     inputs[name] = None if tensor is None else tensor.as_numpy()
                 check_single_batch(inputs)
-                parsed = parse_request(inputs, json.loads(request.parameters() or "{}"))
+                parsed = parse_request(inputs, json.loads(request.parameters() or "{}"),
+                                       defaults=self.sampling_defaults)
+                self.loop.submit(sender, parsed, key=uuid.uuid4().hex)
             except RequestError as e:
                 self.loop.reject(sender, str(e))
-                continue
-            self.loop.submit(sender, parsed, key=uuid.uuid4().hex)
+            except Exception as e:  # noqa: BLE001 - a parse bug fails this request only, and
+                # its traceback (paths, internals) goes to the log, not to the client
+                self.log.log_error(f"request rejected: {type(e).__name__}: {e}")
+                self.loop.reject(sender, "the request could not be parsed", "internal")
         return None
 
     def _send(self, sender, item: Outgoing):

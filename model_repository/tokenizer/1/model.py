@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pagedbackend.serving.request import RequestError, one_string  # noqa: E402
+from pagedbackend.serving.request import RequestError, max_prompt_chars, one_string  # noqa: E402
 from pagedbackend.serving.settings import parameters_of, resolve_path  # noqa: E402
 
 
@@ -20,7 +20,12 @@ class TritonPythonModel:
         from transformers import AutoTokenizer
 
         params = parameters_of(json.loads(args["model_config"]))
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_path(params["tokenizer_dir"], ROOT))
+        folder = resolve_path(params["tokenizer_dir"], ROOT)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        with open(Path(folder) / "config.json") as f:
+            context = int(json.load(f).get("max_position_embeddings", 1 << 17))
+        # longer texts cannot fit any max_model_len: refused before tokenizing
+        self.max_chars = max_prompt_chars(self.tokenizer, context)
 
     def execute(self, requests):
         texts, errors = [], []
@@ -33,6 +38,10 @@ class TritonPythonModel:
                 text = one_string(arr, "text_input")
                 if not text:
                     raise RequestError("text_input is empty: must be a non-empty string")
+                if len(text) > self.max_chars:
+                    raise RequestError(f"text_input=<{len(text)} characters> is invalid: must be "
+                                       f"at most {self.max_chars} characters (no longer text "
+                                       "fits the model's context)")
                 texts.append(text)
                 errors.append(None)
             except RequestError as e:
