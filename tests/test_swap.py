@@ -70,9 +70,11 @@ def test_swap_gives_recompute_tokens_under_heavy_preemption(checkpoints, arch):
 
 def test_auto_and_async_scheduling_give_the_same_tokens(checkpoints, monkeypatch):
     """auto with a fixed cost per swap that makes the tiny model swap contexts of 24 tokens or
-    more and recompute shorter ones: both kinds in one run, the same tokens."""
+    more and recompute shorter ones: both kinds in one run, the same tokens. The CPU's rates
+    stand in for the device's (on a GPU the tiny model would never swap)."""
     from pagedbackend.worker import host_kv
-    monkeypatch.setitem(host_kv.RATES, "cpu", {**host_kv.RATES["cpu"], "fixed_s": 2.8e-5})
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setitem(host_kv.RATES, device, {**host_kv.RATES["cpu"], "fixed_s": 2.8e-5})
     batch = prompts(1, count=8)
     want = generate(LLM(checkpoints["llama"], **ENGINE), batch)
     for kw in (dict(preemption_mode="auto"), dict(preemption_mode="swap", async_scheduling=True)):
@@ -167,8 +169,9 @@ def test_tier_memory_registers_whole_pages_of_its_own_and_unregisters_once(monke
     import gc
 
     from pagedbackend.worker import host_memory
-    fake = FakeCudart()
+    fake, synced = FakeCudart(), []
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
     cuda, page = torch.device("cuda"), host_memory.PAGE
     tiers = [host_memory.RegisteredHostMemory(n, cuda) for n in (100, 5000, 2 * page, 1)]
     spans = sorted((t.ptr, t.ptr + t.size) for t in tiers)
@@ -183,7 +186,7 @@ def test_tier_memory_registers_whole_pages_of_its_own_and_unregisters_once(monke
     ptrs = [t.ptr for t in tiers[1:]]
     del tiers, t
     gc.collect()
-    assert sorted(fake.unregistered[1:]) == sorted(ptrs)
+    assert sorted(fake.unregistered[1:]) == sorted(ptrs) and len(synced) == 4
     assert not host_memory.RegisteredHostMemory(10, torch.device("cpu")).registered
 
 

@@ -76,6 +76,10 @@ class RegisteredHostMemory:
 
 
 def _unregister(ptr: int, buf: torch.Tensor, device: torch.device) -> None:
+    try:
+        torch.cuda.synchronize(device)      # no copy still reads or writes the pages
+    except RuntimeError:
+        pass                                # a device in error: unpin anyway
     if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
         _consume_last_error(device)
     del buf                                  # freed only after the pages are unregistered
