@@ -211,6 +211,31 @@ def test_a_failed_registration_says_why(monkeypatch):
     assert len(consumed) == 2
 
 
+def test_no_garbage_collection_while_a_graph_captures():
+    """A dead engine (cyclic garbage) must not be freed mid-capture: its graphs' and host tier's
+    release calls would invalidate the capture. Allocations that would trigger collections free
+    nothing inside gc_paused; the collector is back on after it."""
+    import gc
+    import weakref
+
+    from pagedbackend.worker.cuda_graph import gc_paused
+    freed = []
+
+    class Engine:
+        pass
+    dead = Engine()
+    dead.me = dead
+    weakref.finalize(dead, freed.append, "engine")
+    del dead
+    with gc_paused():
+        junk = [[] for _ in range(20 * gc.get_threshold()[0])]
+        assert not freed and not gc.isenabled()
+    assert gc.isenabled() and junk
+    junk = [[] for _ in range(20 * gc.get_threshold()[0])]
+    gc.collect()
+    assert freed == ["engine"]
+
+
 def test_offloaded_prefix_hit_equals_a_cold_run_and_counts(checkpoints):
     path = checkpoints["llama"]
     rng = random.Random(5)
