@@ -67,8 +67,8 @@ class RegisteredHostMemory:
             name = torch.cuda.cudart().cudaGetErrorString(err)
         except Exception:                   # an older binding: the code alone
             name = "see cudaError_t"
-        what = (f"pinning the host KV tier: cudaHostRegister of {self.size} bytes at {self.ptr:#x} failed: error {code}"
-                f" ({name})")
+        what = (f"pinning the host KV tier: cudaHostRegister of {self.size} bytes at "
+                f"{self.ptr:#x} failed: error {code} ({name})")
         if code == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
             what += ("; these pages belong to this buffer alone, so something else in the"
                      " process registered them and did not unregister them before freeing")
