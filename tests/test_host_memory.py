@@ -30,6 +30,7 @@ def test_tier_memory_registers_whole_pages_of_its_own_and_unregisters_once(monke
     import gc
 
     from pagedbackend.worker import host_memory
+    gc.collect()            # earlier tests' dead engines unpin their real tiers now, not below
     fake, synced = FakeCudart(), []
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
