@@ -53,7 +53,10 @@ def test_tier_memory_registers_whole_pages_of_its_own_and_unregisters_once(monke
 
 
 def test_a_failed_registration_says_why(monkeypatch):
+    import gc
+
     from pagedbackend.worker import host_kv, host_memory
+    gc.collect()            # (as above: no real tier is freed while cudart is faked)
     consumed = []
     monkeypatch.setattr(host_memory, "_consume_last_error", consumed.append)
     monkeypatch.setattr(host_kv, "RegisteredHostMemory",
