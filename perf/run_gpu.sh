@@ -250,7 +250,7 @@ for s in $stages; do
             NAME=llama-3.1-8b-seqs256 BUDGET_S=210 OUT="$out/w4-seqs256" bash perf/w4_gpu.sh ;;
     # swap_space (issue 25): the host tier's copies on the GPU (bit-exact, ordered after the
     # compute stream's writes) and the engine's tests of it on the tiny models, ~1-2 min
-    swaptests) run swaptests 300 "$base_py" -m pytest -q tests/test_swap.py -k "not tp2" ;;
+    swaptests) run swaptests 300 "$base_py" -m pytest -q tests/test_swap.py tests/test_host_memory.py -k "not tp2" ;;
     # multi-turn chat (128 conversations x 6 turns, 2k-token histories, 32 at a time) whose
     # histories do not fit the GPU pool: TTFT p50/p99 and throughput with swap_space 0 and 32
     # in one process (goal: p50 TTFT >= 2x lower), ~3-4 min

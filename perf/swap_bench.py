@@ -9,7 +9,12 @@ once, its turn k + 1 when all have answered. A group's histories do not fit the 
 (--chat-gpu-blocks), so without a host tier every turn prefills its whole history again; with
 swap_space=32 (GiB) the evicted blocks wait in host memory and come back as prefix hits.
 Reported: TTFT p50/p99 (all turns, and turns 2+), output and prompt tokens/s, host hits.
-Goal: p50 TTFT at least 2x lower with the host tier.
+Goal: p50 TTFT at least 2x lower with the host tier. GPU prefix hits stay near 0 in both runs,
+by design of the load: a group comes back in the order it left, so the GPU pool's LRU evicts
+most histories before their next turn (a cyclic scan larger than the cache). The few GPU hits
+are a group's last finishers and recompute-preempted requests finding their own blocks again;
+with a tier, preempted requests swap instead (a swap-in is no prefix lookup) and the evicted
+histories come back as host hits.
 
 w2: W2-shaped (random --w2-prompt-token prompts, --w2-output tokens each, ignore_eos, all at once)
 with the KV pool at a quarter of what the requests need: preemption on every wave.

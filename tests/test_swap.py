@@ -70,9 +70,11 @@ def test_swap_gives_recompute_tokens_under_heavy_preemption(checkpoints, arch):
 
 def test_auto_and_async_scheduling_give_the_same_tokens(checkpoints, monkeypatch):
     """auto with a fixed cost per swap that makes the tiny model swap contexts of 24 tokens or
-    more and recompute shorter ones: both kinds in one run, the same tokens."""
+    more and recompute shorter ones: both kinds in one run, the same tokens. The CPU's rates
+    stand in for the device's (on a GPU the tiny model would never swap)."""
     from pagedbackend.worker import host_kv
-    monkeypatch.setitem(host_kv.RATES, "cpu", {**host_kv.RATES["cpu"], "fixed_s": 2.8e-5})
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setitem(host_kv.RATES, device, {**host_kv.RATES["cpu"], "fixed_s": 2.8e-5})
     batch = prompts(1, count=8)
     want = generate(LLM(checkpoints["llama"], **ENGINE), batch)
     for kw in (dict(preemption_mode="auto"), dict(preemption_mode="swap", async_scheduling=True)):
@@ -94,12 +96,14 @@ def test_swapped_kv_equals_the_original_bit_for_bit(checkpoints):
 
     def checked_swap(swap_out, swap_in):
         dev = tier.device_blocks
-        sources = {g: dev[g].clone() for g, _ in swap_out}
+        sources = {g: dev[g].to("cpu", copy=True) for g, _ in swap_out}    # on the host
         swap(swap_out, swap_in)
+        if dev.is_cuda:
+            torch.cuda.synchronize()            # the copies run on a side stream
         for g, h in swap_out:
             assert torch.equal(tier.host[h], sources[g]), ("out", g, h)
         for g, h in swap_in:
-            assert torch.equal(dev[g], tier.host[h]), ("in", g, h)
+            assert torch.equal(dev[g].cpu(), tier.host[h]), ("in", g, h)
         checked["out"] += len(swap_out)
         checked["in"] += len(swap_in)
 

@@ -66,15 +66,16 @@ def _time_us(fn) -> float:
     flush = _FLUSH.get(dev)
     if flush is None:
         flush = _FLUSH[dev] = torch.empty(128 << 20, dtype=torch.int8, device="cuda")
+    from pagedbackend.worker.cuda_graph import gc_paused
     fn()                                    # compiled and warm before capture
     torch.cuda.synchronize()
     try:
         both, alone = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(both):
+        with gc_paused(), torch.cuda.graph(both):
             for _ in range(_REPS):
                 flush.zero_()
                 fn()
-        with torch.cuda.graph(alone):
+        with gc_paused(), torch.cuda.graph(alone):
             for _ in range(_REPS):
                 flush.zero_()
         return max(_replay_us(both) - _replay_us(alone), 0.0) / _REPS

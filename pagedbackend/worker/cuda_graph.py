@@ -11,9 +11,11 @@ request's time to first token. PAGEDBACKEND_PREFILL_GRAPHS=0 runs them eagerly (
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -28,13 +30,31 @@ PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 def capture_graph(forward: Callable[[], torch.Tensor], device: torch.device, pool: Any
                   ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, Any]:
     """forward() once eagerly (warm-up: tuning, compiles, scratch, allocations), then captured
-    into a graph on `pool` (None: a new one); returns (graph, its output, the pool)."""
+    into a graph on `pool` (None: a new one); returns (graph, its output, the pool). The garbage
+    collector is paused while capturing (gc_paused says why)."""
     forward()
     torch.cuda.synchronize(device)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
+    with gc_paused(), torch.cuda.graph(g, pool=pool):
         out = forward()
     return g, out, pool if pool is not None else g.pool()
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block: every CUDA graph capture runs in it.
+    A collection that starts mid-capture may free a dead engine (cyclic garbage, e.g. kept by a
+    traceback) whose CUDA graphs and pinned host tier are released with calls that are illegal
+    while a stream captures (cudaGraphExecDestroy, cudaHostUnregister): the capture is then
+    invalidated and fails (cudaErrorStreamCaptureInvalidated). torch.cuda.graph no longer runs
+    gc.collect() before capturing by default."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:

@@ -23,6 +23,7 @@ from pagedbackend.config import EngineConfig, check
 from pagedbackend.core.host_tier import HostTier, PreemptionCost
 from pagedbackend.core.kv_cache_manager import KVCacheManager
 from pagedbackend.layers.sampling_metadata import to_device_async
+from pagedbackend.worker.host_memory import CUDA_ERROR_MEMORY_ALLOCATION, RegisteredHostMemory
 from pagedbackend.worker.kv_sizing import kv_bytes_per_block, kv_heads_and_dim
 
 logger = logging.getLogger("pagedbackend")
@@ -122,19 +123,14 @@ class HostKVCache:
         cuda = self.device.type == "cuda"
         shape = self.host_shape = (num_blocks, *self.device_blocks.shape[1:])
         self.swap_space = swap_space_gib
-        self._registered = False
         try:
-            self.host = torch.empty(shape, dtype=wide)
+            self.memory = RegisteredHostMemory(self.nbytes(shape), self.device)
         except RuntimeError as e:
+            code = getattr(e, "code", CUDA_ERROR_MEMORY_ALLOCATION)
+            if code != CUDA_ERROR_MEMORY_ALLOCATION:
+                raise                       # not a matter of size: CUDA's error, explained
             raise self._too_big(f"{e}") from None
-        if cuda:
-            # Registered in place, not torch's pinned allocator: that one rounds every size up
-            # to a power of two (20 GiB would pin 32).
-            rc = int(torch.cuda.cudart().cudaHostRegister(
-                self.host.data_ptr(), self.host.numel() * self.host.element_size(), 1))
-            if rc != 0:
-                raise self._too_big(f"cudaHostRegister error {rc}")
-            self._registered = True
+        self.host = self.memory.bytes.view(wide).view(shape)
         self.staging = staging.view(wide)
         assert self.staging.shape[1:] == self.device_blocks.shape[1:], (staging.shape, shape)
         self.stream = torch.cuda.Stream(self.device) if cuda else None
@@ -144,14 +140,12 @@ class HostKVCache:
 
     def _too_big(self, why: str) -> ValueError:
         return ValueError(f"swap_space={self.swap_space!r} is invalid: the host could not "
-                          f"pin {self.nbytes(self.host_shape) / (1 << 30):.1f} GiB ({why}); "
+                          f"pin {self.nbytes(self.host_shape) / (1 << 30):.3g} GiB ({why}); "
                           "must be less")
 
     def close(self) -> None:
-        """Unpin the tier (the engine's shutdown)."""
-        if self._registered:
-            self._registered = False
-            torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
+        """Unpin the tier (the engine's shutdown; else when it is garbage-collected)."""
+        self.memory.close()
 
     def nbytes(self, shape: tuple) -> int:
         n = self.device_blocks.element_size()
