@@ -5,6 +5,7 @@ GPU (default; llama-3.1-8b dummy weights, 128-token prompts, 128 output tokens, 
   ceiling   batch 1, n-gram k=5 on a prompt made to repeat (the prompt followed by the model's
             own answer to it, so the answer repeats), against W1 on the same prompt
   reject    batch 1, drafts that are never accepted (k random tokens): the overhead
+  no-drafts batch 1, a proposer that finds nothing: the cost of the drafter being on
   draft     batch 1, a draft model identical to the target (acceptance 100%, the mechanism
             alone: the draft costs as much as the target, so no speed-up is expected)
   batch     batch 1, 4, 16, 64 with n-gram drafts on repeating prompts: where it stops paying
@@ -39,6 +40,11 @@ class RandomProposer:
 
     def propose(self, token_ids, k):
         return [self.rng.randrange(self.vocab) for _ in range(k)]
+
+
+class NoProposer:
+    def propose(self, token_ids, k):
+        return []
 
 
 def generate(llm, prompts, max_tokens, spec: bool, drafter, ignore_eos: bool = True):
@@ -104,7 +110,12 @@ def gpu(a):
         ngram.proposer, ngram.k = RandomProposer(llm.engine.info.vocab_size), kk
         s = generate(llm, rep[:1], a.output_len, True, ngram)
         rows.append(row("reject-all", 1, b[:2], s[:2], s[2], kk))
-    ngram.proposer, ngram.k = NgramProposer(1, 4), k
+    # a proposer that finds nothing: the cost of the drafter being on (rounds that wait for
+    # the step in flight, every drafter.PROBE_EVERY steps)
+    ngram.proposer, ngram.k = NoProposer(), k
+    s = generate(llm, rep[:1], a.output_len, True, ngram)
+    rows.append(row("no-drafts", 1, b[:2], s[:2], s[2], k))
+    ngram.proposer = NgramProposer(1, 4)
     # batch sizes: where n-gram speculation stops paying
     for batch in (1, 4, 16, 64):
         b = generate(llm, rep[:batch], a.output_len, False, ngram)
