@@ -198,6 +198,23 @@ def test_async_scheduling_with_drafts_equals_without(ckpts):
     assert llm.engine.async_scheduling is True
     assert got == ref
     assert llm.engine.drafter.stats.num_drafts > 0
+    # a proposer that never finds drafts: most steps keep the async overlap (a round that
+    # waits for the step in flight only every PROBE_EVERY steps), output unchanged
+    from pagedbackend.spec_decode.drafter import PROBE_EVERY
+
+    class Nothing:
+        calls = 0
+
+        def propose(self, token_ids, k):
+            Nothing.calls += 1
+            return []
+    llm = LLM(ckpts["llama"], dtype="float32", num_kv_blocks=96, async_scheduling=True,
+              speculative_config=NGRAM)
+    llm.engine.drafter.proposer = Nothing()
+    outs = llm.generate(batch[2:3], params[2])
+    assert outs[0].outputs[0].token_ids == ref[2][0][0]
+    assert 0 < Nothing.calls <= 20 // PROBE_EVERY + 2
+    no_leak(llm)
 
 
 def test_disable_by_batch_size_turns_drafts_off(ckpts):

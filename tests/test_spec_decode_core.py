@@ -57,6 +57,24 @@ def test_ngram_takes_the_longest_latest_match():
     assert NgramProposer(2, 2).propose([3, 4, 9, 4], 2) == []       # 1-gram hits not wanted
 
 
+def test_ngram_matches_a_brute_force_search():
+    import random
+
+    def brute(ids, k, lo, hi):
+        for n in range(min(hi, len(ids) - 1), lo - 1, -1):
+            for s in range(len(ids) - n - 1, -1, -1):
+                if ids[s:s + n] == ids[-n:]:
+                    return ids[s + n:s + n + k]
+        return []
+    rng = random.Random(0)
+    for _ in range(500):
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        ids = [rng.randrange(4) for _ in range(rng.randint(1, 30))]
+        k = rng.randint(1, 5)
+        assert NgramProposer(lo, hi).propose(ids, k) == brute(ids, k, lo, hi), (ids, k, lo, hi)
+
+
 # -- scheduler -----------------------------------------------------------------------------
 def make(num_blocks=8, budget=64, block_size=4, caching=True):
     kv = KVCacheManager(num_blocks, block_size, caching)

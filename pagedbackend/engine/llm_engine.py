@@ -329,6 +329,9 @@ class LLMEngine:
             self.drafter.clear(sch.running)
             return
         if self._inflight is not None:
+            if not self.drafter.should_probe():
+                self.drafter.clear(sch.running)
+                return
             self._land(*self._inflight)
             self._inflight = None
         self.drafter.propose(sch.running)

@@ -14,6 +14,10 @@ from pagedbackend.core.request import Request
 from pagedbackend.spec_decode.config import SpeculativeConfig
 from pagedbackend.spec_decode.ngram import NgramProposer
 
+# After a proposal round without drafts, the rounds that wait for a step in flight come
+# this many steps apart.
+PROBE_EVERY = 4
+
 
 @dataclass
 class SpecDecodeStats:
@@ -55,6 +59,18 @@ class Drafter:
         self.proposer = proposer
         self.draft_runner = draft_runner
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+        self.idle_rounds = 0        # proposal rounds in a row that found no drafts
+        self.waited = 0             # steps since the last round
+
+    def should_probe(self) -> bool:
+        """With a step in flight, a proposal waits for it (no async overlap): after rounds
+        that found no drafts, propose only every PROBE_EVERY steps, so a load the proposer
+        cannot help keeps most of the overlap."""
+        self.waited += 1
+        if self.idle_rounds and self.waited < PROBE_EVERY:
+            return False
+        self.waited = 0
+        return True
 
     def active(self, num_requests: int) -> bool:
         """disable_by_batch_size: no drafts while this many requests are queued or running."""
@@ -73,6 +89,7 @@ class Drafter:
     def propose(self, running: list[Request]) -> None:
         """Set each running request's spec_token_ids for the next schedule() (a draft model
         reserves k slots with placeholders, filled in by fill())."""
+        found = False
         for req in running:
             k = self.num_drafts(req)
             if not k:
@@ -81,6 +98,8 @@ class Drafter:
                 req.spec_token_ids = self.proposer.propose(req.all_token_ids, k)
             else:
                 req.spec_token_ids = [0] * k
+            found = found or bool(req.spec_token_ids)
+        self.idle_rounds = 0 if found else self.idle_rounds + 1
 
     def snapshot(self) -> SpecDecodeStats:
         """A copy of the counters (the metrics thread reads it later)."""

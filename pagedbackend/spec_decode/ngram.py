@@ -1,5 +1,6 @@
 """N-gram (prompt lookup) proposer: the tokens that followed the latest earlier occurrence of
-the request's last n tokens, trying n from prompt_lookup_max down to prompt_lookup_min.
+the request's last n tokens, for the largest n in [prompt_lookup_min, prompt_lookup_max] that
+occurs.
 
 Costs no model: useful where the output repeats its input (editing, extraction, code)."""
 from __future__ import annotations
@@ -7,7 +8,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -20,11 +20,17 @@ class NgramProposer:
         if k <= 0 or size <= self.min_n:
             return []
         ids = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
-            # windows starting at 0 .. size - n - 1: every occurrence before the suffix itself
-            windows = sliding_window_view(ids[:-1], n)
-            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return ids[start:start + k].tolist()
-        return []
+        # ends of earlier occurrences of the last token, narrowed one token further back at a
+        # time to the ends of occurrences of the last n tokens
+        ends = np.flatnonzero(ids[:-1] == ids[-1])
+        best = ends[-1] if len(ends) and self.min_n == 1 else None
+        for n in range(2, min(self.max_n, size - 1) + 1):
+            ends = ends[ends >= n - 1]
+            ends = ends[ids[ends - (n - 1)] == ids[-n]]
+            if not len(ends):
+                break
+            if n >= self.min_n:
+                best = ends[-1]
+        if best is None:
+            return []
+        return ids[best + 1:best + 1 + k].tolist()
