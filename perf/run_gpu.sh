@@ -47,82 +47,20 @@ for s in $stages; do
     # prompt_logprobs, logit_bias and allowed_token_ids with CUDA graphs and async scheduling on
     features) run features 200 "$base_py" perf/gpu_features.py ;;
     w1) run w1 150 python3 perf/w1_decode.py --profile ;;
-    # W1, then in the same process (same tile choices) without PDL and without the skinny GEMM
-    w1ab) run w1ab 300 python3 perf/w1_decode.py --profile --ab nopdl,cublas ;;
-    # W1 with the weight prefetch at budgets 16 (default), 32 and 8 MB, without it, and without
-    # PDL, all in one process
-    w1pf) run w1pf 240 python3 perf/w1_decode.py --profile --ab pf32,pf8,noprefetch,nopdl ;;
-    # the default (8 MB prefetch) against no prefetch and no PDL
-    w1pf8) run w1pf8 200 python3 perf/w1_decode.py --profile --ab noprefetch,nopdl ;;
-    # prefetch only in the matmuls without a prologue (o_proj, after attention), 16/32 MB,
-    # against the default (8 MB in every skinny matmul)
-    w1pfplain) run w1pfplain 220 python3 perf/w1_decode.py \
-                 --ab pfplain16,pfplain32 ;;
-    # the default against rotary + KV write in their own kernel, then also eager
-    # single-sequence prefills (TTFT), in one process
-    w1graph) run w1graph 300 python3 perf/w1_decode.py --profile --ab ropekernel,eagerprefill ;;
-    w1eager) run w1eager 120 python3 perf/w1_decode.py --enforce-eager ;;
-    w1sync) PERF_ASYNC=0 run w1sync 120 python3 perf/w1_decode.py ;;
-    w1cublas) PAGEDBACKEND_SKINNY_GEMM=0 run w1cublas 120 python3 perf/w1_decode.py ;;
-    # the same without programmatic dependent launch (A/B)
-    w1nopdl) PAGEDBACKEND_PDL=0 run w1nopdl 120 python3 perf/w1_decode.py ;;
-    w3nopdl) PAGEDBACKEND_PDL=0 run w3nopdl 120 python3 perf/w3_mix.py ;;
-    w2sync) PERF_ASYNC=0 run w2sync 150 python3 perf/w2_fixed.py --shapes 128-128 ;;
-    w2syncprof) PERF_ASYNC=0 run w2syncprof 180 python3 perf/w2_fixed.py --shapes 128-128 --profile ;;
-    w2seqs1024) run w2seqs1024 180 python3 perf/w2_fixed.py --shapes 128-128 --max-num-seqs 1024 --suffix seqs1024 ;;
-    w2mem80) run w2mem80 150 python3 perf/w2_fixed.py --shapes 128-128 --gpu-memory-utilization 0.8 --suffix mem80 ;;
-    w3sync) PERF_ASYNC=0 run w3sync 120 python3 perf/w3_mix.py ;;
     w2) run w2 180 python3 perf/w2_fixed.py --shapes 128-128 --profile ;;
-    w2abpdl) run w2abpdl 200 python3 perf/w2_fixed.py --shapes 128-128 --ab nopdl ;;
-    # decode-sized GEMMs through cuBLAS, then cuBLASLt (call 44: cuBLASLt ran 8,192-row
-    # prefill GEMMs 6.6% faster), then W2 128/128 and 2048/128 A-B-A with torch on cuBLASLt
-    gemmlt) run gemmlt 120 python3 perf/gemm_bench.py --rows 64,256,512,1024,4096
-            run gemmlt2 120 python3 perf/gemm_bench.py --rows 64,256,512,1024,4096 --blas cublaslt ;;
-    w2blaslt) run w2blaslt 360 python3 perf/w2_fixed.py --shapes 128-128,2048-128 \
-                --ab blaslt,default ;;
-    # W2 128/128 (profiled: one wave) and 2048/128 at max_num_batched_tokens 8192 (default),
-    # 2048 and 4096 in one process: GEMMs run faster at 2048 rows than at 8192 (gemm stage)
-    w2mbt) run w2mbt 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --profile \
-             --ab mbt2048,mbt4096 ;;
-    # W2 128/128 with the rotary + KV write in the decode kernel (default) and in their own
-    # kernel, one process (call 18). Since f790846 a 512-row step uses the separate kernel
-    # either way (decode.rope_in_decode): only the narrow steps of the waves' tails differ
-    w2rope) run w2rope 240 python3 perf/w2_fixed.py --shapes 128-128 --ab ropekernel ;;
     # W2 2048/128, then a profile of 128 of its requests (where the prefill time goes)
     w2longprof) run w2longprof 240 python3 perf/w2_fixed.py --shapes 2048-128 --profile \
                   --profile-shape 2048-128-128 ;;
-    # the prefill tile of the 2026-12-03 sweep (default) against the one before, one process
-    w2tiles) run w2tiles 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab oldtiles ;;
-    # three identical engines in one process (A-A-A): the order effect alone (W2's second engine
-    # ran 1-3% faster in calls 18 and 19, whatever its variant)
-    w2order) run w2order 330 python3 perf/w2_fixed.py --shapes 128-128 --ab default,default ;;
     w2long) run w2long 300 python3 perf/w2_fixed.py --shapes 2048-128,128-2048 ;;
     w3) run w3 120 python3 perf/w3_mix.py ;;
-    # W5's requests into our engine alone (llama-3.1-8b, no transformers run): the default
-    # (decode programs longest first), grid order, the default again, decode attention with 3
-    # stages; one process
-    w5engine) run w5engine 300 python3 perf/w3_mix.py --model llama-3.1-8b \
-                --ab gridorder,default,decode3 ;;
-    # the longest-first decode order against grid order, A-B-A, on W2 (equal lengths: only the
-    # sort's cost) and on W3 (qwen3-0.6b, mixed lengths)
-    w2lpt128) run w2lpt128 200 python3 perf/w2_fixed.py --shapes 128-128 --ab gridorder,default ;;
-    w2lpt) run w2lpt 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab gridorder,default ;;
-    w3lpt) run w3lpt 200 python3 perf/w3_mix.py --ab gridorder,default ;;
     # kv_cache_dtype fp8: the kernels' parity at real shapes (with the bf16 decode / prefill
     # cases), then W2 (128/128, 2048/128) and W5's requests into the engine, bf16 then fp8 KV
     fp8) run fp8 200 python3 -m pytest -q tests/test_kernels.py -k "fp8 or decode_matches or prefill_matches" ;;
-    w2fp8) run w2fp8 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab fp8kv ;;
     fp8bench) run fp8bench 100 python3 perf/kernels_bench.py --only fp8 ;;
-    w5fp8n) run w5fp8n 300 python3 perf/w3_mix.py --model llama-3.1-8b --ab fp8kv,fp8n64 ;;
-    w2fp8n) run w2fp8n 200 python3 perf/w2_fixed.py --shapes 128-128 --ab fp8kv,fp8n64 ;;
-    w5fp8) run w5fp8 240 python3 perf/w3_mix.py --model llama-3.1-8b --ab fp8kv ;;
     # quantization fp8 (weights in e4m3): the skinny kernel on fp8 weights and the per-row
     # quantization at real shapes, the tuner, the engine's no-compile test; then W1, W2
     # (128/128, 2048/128) and W5's requests into the engine, bf16 then fp8 weights (+ fp8 KV)
     fp8w) run fp8w 240 python3 -m pytest -q tests/test_kernels.py -k "fp8_weights or quantize_rows or tuning or dispatch or graphs-fp8" ;;
-    w1fp8w) run w1fp8w 260 python3 perf/w1_decode.py --profile --ab fp8w ;;
-    w2fp8w) run w2fp8w 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab fp8w ;;
-    w5fp8w) run w5fp8w 280 python3 perf/w3_mix.py --model llama-3.1-8b --ab fp8w,fp8kv ;;
     correctnessfp8w) run correctnessfp8w 200 "$base_py" perf/gpu_correctness.py --dtypes bfloat16 --quantization fp8 ;;
     # issue 27 (fp8 past TensorRT-LLM's H200 figures, stronger baselines): one call of
     # "w1fp8tiles w2fp8 w5cb" (limits 240 + 170 + 180 s; ~8-9.5 min), then
@@ -177,24 +115,12 @@ for s in $stages; do
     # the prefill kernel with the step's K/V read from k / v (the default) and gathered from
     # the cache: parity tests, the kernel timed both ways (+ a tile sweep), W2 2048/128 A-B
     contigtests) run contigtests 300 python3 -m pytest -q tests/test_kernels.py -k "prefill or rotary_store or backend_rope or fp8_kv" ;;
-    contigbench) run contigbench 120 python3 perf/kernels_bench.py --only prefill --sweep ;;
-    w2contig) run w2contig 240 python3 perf/w2_fixed.py --shapes 2048-128 --ab pagedkv ;;
     # TTFT of 2k/8k/16k-token prompts alone, with the step's K/V read from k / v and gathered
     ttftlong) run ttftlong 240 python3 perf/ttft_long.py --ab pagedkv ;;
     # speculative decoding against none in one process (perf/spec_decode.py): batch 1 n-gram
     # ceiling on a repeating prompt, drafts all rejected (overhead, k = 5 and 1), batch 1-64,
     # a draft model = the target; ~4-5 min
     specdecode) run specdecode 540 python3 perf/spec_decode.py ;;
-    # prefill-sized GEMMs whole and in 1,024/2,048/4,096-row pieces, through cuBLAS then
-    # cuBLASLt, with the SM clock and power logged each second (is 8,192 rows slower by power?)
-    gemmchunk) nvidia-smi dmon -s pc -d 1 > "$out/gemmchunk-dmon.log" 2>&1 & dmon=$!
-               run gemmchunk 150 python3 perf/gemm_bench.py --rows 512,2048,4096,8192 \
-                 --chunks 1024,2048,4096
-               run gemmchunklt 150 python3 perf/gemm_bench.py --rows 2048,8192 --chunks 2048 \
-                 --blas cublaslt
-               kill $dmon ;;
-    # tensor-core tiles for 16 and 64 rows against cuBLAS
-    gemmsweep) run gemmsweep 240 python3 perf/gemm_bench.py --sweep --rows 16,64 ;;
     # cuBLAS at the narrow steps of W4 (~30-40 rows) and W5's tail: how near HBM bandwidth
     gemmsmall) run gemmsmall 150 python3 perf/gemm_bench.py --triton --rows 1,2,4,8,16,24,32,48,64,96,128 ;;
     # issue 8, on a kind with >= 2 GPUs: TP=2 == TP=1 greedy (4 archs), W1/W2 at TP=1 and TP=2
@@ -202,38 +128,15 @@ for s in $stages; do
     # W4 through Triton + the same requests offline (sources .gpu-bundle/setup.sh itself; needs
     # models/dummy/llama-3.1-8b carried along); its own steps are cut to fit ~530 s.
     serve) run serve 560 bash perf/w4_gpu.sh ;;
-    # W4 A/B in one call: the default response budget (1000/s; rates inf and 16 to the ensemble
-    # and to the engine model, perf_analyzer, offline), then a server with 500/s (ensemble only)
-    serveab) run serve 420 env RATES="inf 16" ENGINE_RATES="inf 16" BUDGET_S=405 \
-               bash perf/w4_gpu.sh
-             run serve500 170 env RATES="inf 16" ENGINE_RATES="" SKIP_PA=1 OFFLINE_S=0 \
-               NAME=llama-3.1-8b-budget500 EXTRA_SETTINGS="max_responses_per_s=500" \
-               BUDGET_S=160 OUT="$out/w4-budget500" bash perf/w4_gpu.sh ;;
-    # W4 at rate 16 into the engine in this process (no Triton): the engine's own TTFT/TPOT at
-    # that load, default / no PDL / default again / the old prefill tile
     # W4 at rate 16 into the engine, the default only: TTFT/TPOT and the steps by path (how
     # many run eagerly: a prompt arriving while others decode makes a mixed step)
     w4paths) run w4paths 200 "$base_py" perf/w4_engine_rate.py --rates 16 ;;
-    w4inproc) run w4inproc 400 "$base_py" perf/w4_engine_rate.py --rates 16 \
-                --ab nopdl,default,oldtiles ;;
-    # the same load (300 requests) with the switches added one by one: no PDL, then also eager
-    # single-sequence prefills, the old prefill tile, rotary + KV write in their own kernel
-    w4steps) run w4steps 360 "$base_py" perf/w4_engine_rate.py --rates 16 --num-prompts 300 \
-               --ab nopdl,eagerprefill,oldtiles,ropekernel ;;
     # W1 with the engine of perf/snapshot.sh's commit (.snapshot/, carried): beside w1 in one
     # call, whether W1 moved between commits
     w1old) OUT="$out/snapshot" in_snapshot w1old 150 python3 perf/w1_decode.py ;;
     # the same 300 requests into the engine of perf/snapshot.sh's commit (.snapshot/, carried)
     w4old) OUT="$out/snapshot" in_snapshot w4old 170 "$base_py" perf/w4_engine_rate.py \
              --rates 16 --num-prompts 300 --model-dir "$PWD/models/dummy/llama-3.1-8b" ;;
-    # W4 through Triton at rate 16 only (ensemble, no offline run), then the same against the
-    # engine and model repository of perf/snapshot.sh's commit (.snapshot/, carried); calls
-    # 24-25 compared 0142581 this way
-    w4tritonab) run w4triton16 200 env RATES="16" ENGINE_RATES="" SKIP_PA=1 OFFLINE_S=0 \
-                  BUDGET_S=190 OUT="$out/w4-now" bash perf/w4_gpu.sh
-                in_snapshot w4triton16old 200 env RATES="16" ENGINE_RATES="" SKIP_PA=1 \
-                  OFFLINE_S=0 BUDGET_S=190 MODEL_DIR="$PWD/models/dummy/llama-3.1-8b" \
-                  NAME=llama-3.1-8b OUT="$out/w4-snapshot" bash perf/w4_gpu.sh ;;
     # W4 with the repository's defaults at rates inf and 16, and offline (the server's start
     # took 64 s in call 16, which left a 250 s budget no room for the Triton runs)
     servefast) run serve 340 env RATES="inf 16" ENGINE_RATES="" SKIP_PA=1 BUDGET_S=330 \
@@ -242,12 +145,6 @@ for s in $stages; do
     # engine-model runs)
     servequick) run serve 420 env RATES="inf 16 4" ENGINE_RATES="" SKIP_PA=1 BUDGET_S=400 \
                   bash perf/w4_gpu.sh ;;
-    # W4 at max_num_seqs 512 (all 500 requests admitted at once: rates inf and 16, offline) and,
-    # in the same call, the 256 baseline (rate inf, offline); ensemble only, no perf_analyzer
-    seqs) run seqs512 330 env MAX_NUM_SEQS=512 RATES="inf 16" ENGINE_RATES="" SKIP_PA=1 \
-            NAME=llama-3.1-8b-seqs512 BUDGET_S=320 OUT="$out/w4-seqs512" bash perf/w4_gpu.sh
-          run seqs256 220 env MAX_NUM_SEQS=256 RATES="inf" ENGINE_RATES="" SKIP_PA=1 \
-            NAME=llama-3.1-8b-seqs256 BUDGET_S=210 OUT="$out/w4-seqs256" bash perf/w4_gpu.sh ;;
     # swap_space (issue 25): the host tier's copies on the GPU (bit-exact, ordered after the
     # compute stream's writes) and the engine's tests of it on the tiny models, ~1-2 min
     swaptests) run swaptests 300 "$base_py" -m pytest -q tests/test_swap.py tests/test_host_memory.py -k "not tp2" ;;
