@@ -51,6 +51,13 @@ for s in $stages; do
     # W2 2048/128, then a profile of 128 of its requests (where the prefill time goes)
     w2longprof) run w2longprof 240 python3 perf/w2_fixed.py --shapes 2048-128 --profile \
                   --profile-shape 2048-128-128 ;;
+    # not run yet (perf/RESULTS.md, "Not measured yet"): prefetch only in the matmuls without a
+    # prologue (o_proj), 16/32 MB, against the default (8 MB in every skinny matmul); three
+    # identical engines (A-A-A: the order effect alone); W2 2048/128 with the longest-first
+    # decode order against grid order, A-B-A
+    w1pfplain) run w1pfplain 220 python3 perf/w1_decode.py --ab pfplain16,pfplain32 ;;
+    w2order) run w2order 330 python3 perf/w2_fixed.py --shapes 128-128 --ab default,default ;;
+    w2lpt) run w2lpt 330 python3 perf/w2_fixed.py --shapes 128-128,2048-128 --ab gridorder,default ;;
     w2long) run w2long 300 python3 perf/w2_fixed.py --shapes 2048-128,128-2048 ;;
     w3) run w3 120 python3 perf/w3_mix.py ;;
     # kv_cache_dtype fp8: the kernels' parity at real shapes (with the bf16 decode / prefill
