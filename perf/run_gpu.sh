@@ -2,7 +2,8 @@
 # One device call: kernel parity at real shapes, GPU correctness, W1, W2 128/128, W3, kernels.
 # Usage on the GPU host (from the repo root): bash perf/run_gpu.sh [stages...]
 # Logs go to $OUT (or perf/logs); every stage has its own time limit so one failure or hang
-# does not cost the rest.
+# does not cost the rest. Give it PAGEDBACKEND_COMMIT=<this checkout's commit>: the device copy's
+# .git can be stale, and the result JSONs then name an old commit (calls 49-52 did).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
