@@ -28,7 +28,8 @@ ENGINE_PARAMETERS = ("model", "block_size", "max_num_seqs", "max_model_len",
                      "max_num_batched_tokens", "gpu_memory_utilization", "tensor_parallel_size",
                      "dtype", "kv_cache_dtype", "quantization", "device", "enable_prefix_caching",
                      "num_kv_blocks", "kv_cache_memory_bytes", "load_format", "enforce_eager",
-                     "seed", "async_scheduling", "max_responses_per_s", "stream_coalesce")
+                     "seed", "async_scheduling", "max_responses_per_s", "stream_coalesce",
+                     "max_queue_len", "max_queue_delay_ms")
 ENV_PREFIX = "PAGEDBACKEND_"
 
 

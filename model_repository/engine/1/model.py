@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[3]      # this checkout, when pagedbacke
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from pagedbackend.serving.admission import AdmissionConfig  # noqa: E402
 from pagedbackend.serving.engine_loop import EngineLoop  # noqa: E402
 from pagedbackend.serving.metrics import ServingMetrics, cache_config_labels  # noqa: E402
 from pagedbackend.serving.request import (RequestError, check_single_batch,  # noqa: E402
@@ -50,6 +51,7 @@ class TritonPythonModel:
         params = parameters_of(self.model_config)
         config = engine_config(params, ROOT)
         streaming = streaming_options(params)   # checked before the (slow) engine build
+        admission = AdmissionConfig.from_parameters(params)
         self.input_names = [i["name"] for i in self.model_config["input"] if i["name"] != "stop"]
         self.log = pb_utils.Logger
         # Built before initialize() returns: Triton reports the model ready only after this.
@@ -59,7 +61,7 @@ class TritonPythonModel:
                                       cache_config=cache_config_labels(self.engine))
         self.loop = EngineLoop(self.engine, self._send, self.metrics, log=self.log.log_error,
                                on_dead=self._unload_self, info=self.log.log_info,
-                               **streaming).start()
+                               admission=admission, **streaming).start()
         self.log.log_info(f"engine ready: {self.engine.info}")
 
     def execute(self, requests):
