@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedbackend.serving.launcher import (ENGINE_PARAMETERS, REPO_ROOT,  # noqa: E402
                                            TritonServer, env_overrides,
                                            materialize_repository, server_env)
+from pagedbackend.serving.supervisor import Supervisor  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -105,9 +105,8 @@ def main(argv=None) -> int:
                    if args.tool_call_parser else []),
                 cwd=str(REPO_ROOT), env=server_env()))
             print(f"OpenAI gateway: http://127.0.0.1:{args.gateway_port}/v1", flush=True)
-        while server.proc.poll() is None:
-            time.sleep(0.5)
-        return server.proc.returncode or 0
+        # restarts tritonserver if the engine's stub dies (supervisor.py says why)
+        return Supervisor(server).run(stopping=lambda: stopping)
     except KeyboardInterrupt:
         return 0
     finally:

@@ -174,9 +174,15 @@ class TritonServer:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def start(self, stdout=None, stderr=None) -> "TritonServer":
+        self._output = (stdout, stderr)
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=stdout, stderr=stderr,
                                      start_new_session=True)
         return self
+
+    def restart(self, stop_timeout: float = 2.0) -> "TritonServer":
+        """Stop (SIGKILL after stop_timeout seconds) and start again: same ports, same output."""
+        self.stop(stop_timeout)
+        return self.start(*self._output)
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         """Until /v2/health/ready answers 200 and then /metrics does: tritonserver starts its

@@ -180,3 +180,69 @@ def test_client_leaving_while_queued_leaves_nothing(small):
         s.cancel()
         s.close()
     assert wait_for(lambda: idle(small), 5)
+
+
+# ---- the engine's stub killed, SIGTERM -----------------------------------------------------
+@pytest.fixture(scope="module")
+def doomed(smollm2_dir):
+    """A server the tests below kill: the stub test restarts it, the SIGTERM test ends it."""
+    with running_server(smollm2_dir) as server:
+        yield server
+
+
+def test_engine_stub_killed_server_restarts_and_nothing_hangs(doomed):
+    """Triton 2.51 would leave the open requests hanging and the model 'ready' (supervisor.py);
+    the supervisor restarts tritonserver: every open request ends within seconds, health fails
+    meanwhile, and the new server answers."""
+    from fault_fixtures import engine_stub
+    from pagedbackend.serving.supervisor import Supervisor
+
+    lines: list[str] = []
+    sup = Supervisor(doomed, log=lines.append)
+    stop = threading.Event()
+    done = threading.Thread(target=sup.run, args=(stop.is_set,), daemon=True)
+    done.start()
+    try:
+        old = engine_stub(doomed)
+        http = [start_http(doomed) for _ in range(2)]
+        grpc = GrpcStream(doomed, LONG["text_input"], 600)
+        for events in [*http, grpc.events]:
+            first_data(events)
+        t0 = time.monotonic()
+        os.kill(old, signal.SIGKILL)
+        ends = [ending(events, 20) for events in [*http, grpc.events]]
+        assert None not in ends, f"a request hangs after the stub died: {ends}"
+        assert all(e != "final" for e in ends)
+        assert time.monotonic() - t0 < 20
+        assert wait_for(lambda: sup.restarts == 1 and "ready again" in " ".join(lines), 300), \
+            lines
+        assert "pid %d" % old in lines[0] and "restarting tritonserver (1/3)" in lines[0]
+        assert engine_stub(doomed) != old
+        r = httpx.post(f"http://{doomed.http_url}/v2/models/ensemble/generate",
+                       json={"text_input": "Hi", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, r.text
+        grpc.close()
+    finally:
+        stop.set()
+        done.join(10)
+
+
+def test_sigterm_with_requests_in_flight_ends_each_one(doomed):
+    """SIGTERM to tritonserver with short and long streams open: the short ones finish
+    within Triton's exit timeout (10 s), the long ones end with an error; none is cut off
+    silently or left hanging."""
+    assert wait_for(lambda: idle(doomed))
+    short = [start_http(doomed, {**LONG, "max_tokens": 30}) for _ in range(2)]
+    long_ = [start_http(doomed) for _ in range(2)]
+    grpc = GrpcStream(doomed, LONG["text_input"], 600)
+    for events in [*short, *long_, grpc.events]:
+        first_data(events)
+    doomed.proc.send_signal(signal.SIGTERM)
+    ends = [ending(events, 40) for events in [*short, *long_, grpc.events]]
+    print("SIGTERM ends", ends)
+    grpc.close()
+    assert None not in ends, f"a request hangs after SIGTERM: {ends}"
+    assert ends[:2] == ["final", "final"], ends
+    for how in ends[2:]:
+        assert how.startswith("error") or "RemoteProtocolError" in how, how
+    assert doomed.proc.wait(30) is not None
