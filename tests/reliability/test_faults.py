@@ -239,10 +239,53 @@ def test_sigterm_with_requests_in_flight_ends_each_one(doomed):
         first_data(events)
     doomed.proc.send_signal(signal.SIGTERM)
     ends = [ending(events, 40) for events in [*short, *long_, grpc.events]]
-    print("SIGTERM ends", ends)
     grpc.close()
     assert None not in ends, f"a request hangs after SIGTERM: {ends}"
     assert ends[:2] == ["final", "final"], ends
     for how in ends[2:]:
         assert how.startswith("error") or "RemoteProtocolError" in how, how
     assert doomed.proc.wait(30) is not None
+
+
+# ---- a tensor-parallel worker killed -------------------------------------------------------
+def test_tp_worker_killed_errors_running_and_queued_requests(tmp_path):
+    """TP=2 on gloo behind the engine loop (as in the engine model): two requests run, two
+    wait; SIGKILL of rank 1 ends all four with UNAVAILABLE within seconds, the loop reports
+    itself dead (the model then unloads itself: not-ready; test_tp.py checks that in Triton),
+    a new request is refused at once, and no worker is left."""
+    from pagedbackend import LLM, SamplingParams
+    from pagedbackend.serving.request import ParsedRequest
+    from pagedbackend.testing import make_hf_checkpoint
+    from test_serving_loop import Sender, run_loop
+    from test_tp import wait_gone
+
+    make_hf_checkpoint("llama", tmp_path)
+    engine = LLM(str(tmp_path), tensor_parallel_size=2, dtype="float32", block_size=4,
+                 num_kv_blocks=64, max_num_batched_tokens=32, max_num_seqs=2,
+                 max_model_len=256).engine
+    pids = engine.runner.worker_pids
+    dead = threading.Event()
+    loop = run_loop(engine, on_dead=dead.set)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        senders = [Sender() for _ in range(4)]
+        for i, s in enumerate(senders):
+            loop.submit(s, ParsedRequest(prompt=None, prompt_token_ids=[5, 6, 7 + i],
+                                         params=params, stream=True))
+        assert wait_for(lambda: all(s.items for s in senders[:2]), 60)
+        assert not senders[2].items, "max_num_seqs=2: the third waits"
+        t0 = time.monotonic()
+        os.kill(pids[0], signal.SIGKILL)
+        assert all(s.done.wait(15) for s in senders), "a request hangs after the worker died"
+        assert time.monotonic() - t0 < 15
+        for s in senders:
+            last = s.items[-1]
+            assert last.final and last.error_kind == "unavailable", last
+        assert dead.wait(5) and not loop.alive
+        late = Sender()
+        loop.submit(late, ParsedRequest(prompt=None, prompt_token_ids=[1], params=params))
+        assert late.done.wait(2) and late.items[0].error_kind == "unavailable"
+    finally:
+        loop.shutdown()
+        engine.shutdown()
+    assert wait_gone(pids) == []
