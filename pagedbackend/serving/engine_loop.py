@@ -235,9 +235,10 @@ class EngineLoop:
         past max_queue_delay_ms for their first token (admission.py)."""
         if self._admission.config.max_queue_len:
             self._admission.on_engine_waiting(self.engine.stats())
-        for rid, message in self._admission.overdue(self._live.items(), time.monotonic()):
-            if rid not in self._beams:
-                self.engine.abort([rid])        # frees its blocks; its last output is ignored
+        # a beam search's rounds are its own sub-requests: it has no first token until the end
+        live = ((rid, r) for rid, r in self._live.items() if rid not in self._beams)
+        for rid, message in self._admission.overdue(live, time.monotonic()):
+            self.engine.abort([rid])        # frees its blocks; its last output is ignored
             self._finish(rid, Outgoing(self._live[rid].handle, error=message,
                                        error_kind="unavailable", final=True), reason="abort")
 
