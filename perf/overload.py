@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from common import ROOT, print_table, write_result
+from common import ROOT, commit, print_table, write_result
 
 from pagedbackend.serving.launcher import TritonServer, free_port, materialize_repository
 
@@ -103,6 +103,8 @@ def main() -> None:
     p.add_argument("--max-queue-len", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=2)
     args = p.parse_args()
+    # the commit the run started from (HEAD may move while it runs)
+    os.environ.setdefault("PAGEDBACKEND_COMMIT", commit())
     base = {**BASE, "max_num_seqs": str(args.max_num_seqs)}
     data: dict = {"clients": args.clients, "seconds": args.seconds, "engine": base,
                   "max_queue_len": args.max_queue_len}

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from common import ROOT, print_table, write_result
+from common import ROOT, commit, print_table, write_result
 
 from pagedbackend.serving.launcher import TritonServer, free_port, materialize_repository
 
@@ -274,6 +274,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--suffix", default="", help="result file suffix (e.g. 2min)")
     args = p.parse_args()
+    # the commit the run started from (HEAD may move while it runs)
+    os.environ.setdefault("PAGEDBACKEND_COMMIT", commit())
 
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     repo = materialize_repository(work / "repo", SETTINGS)
