@@ -14,6 +14,7 @@ engine model unloads itself after its loop died (engine_loop.py): that too resta
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Callable, Optional
 
@@ -42,6 +43,23 @@ def engine_stub_pids(root: int) -> list[int]:
         if all(part in cmd for part in ENGINE_STUB):
             found.append(pid)
     return found
+
+
+def exit_when_orphaned(poll_s: float = 1.0) -> threading.Thread:
+    """In a backend stub: leave at once when tritonserver dies without stopping us (SIGKILL,
+    a crash). The engine's stub otherwise lived on (two seen, one an hour after its server had
+    gone, holding the model's memory): its exit path waits on IPC to the dead server."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    thread = threading.Thread(target=watch, daemon=True, name="orphan-watch")
+    thread.start()
+    return thread
 
 
 class Supervisor:

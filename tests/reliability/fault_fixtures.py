@@ -11,6 +11,7 @@ import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -131,10 +132,15 @@ class GrpcStream:
         self.client.stop_stream(cancel_requests=True)
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.client.stop_stream()
-        with contextlib.suppress(Exception):
-            self.client.close()
+        """Stop the stream; in a thread, since stop_stream() waits for a server that may hang."""
+        def stop() -> None:
+            with contextlib.suppress(Exception):
+                self.client.stop_stream()
+            with contextlib.suppress(Exception):
+                self.client.close()
+        t = threading.Thread(target=stop, daemon=True)
+        t.start()
+        t.join(5)
 
 
 def first_data(events: "queue.Queue", timeout: float = 60.0):
@@ -192,3 +198,12 @@ def gateway_process(server, model_dir: str, *extra: str) -> Iterator[str]:
 
 def auth(key: str = GATEWAY_KEY) -> dict:
     return {"Authorization": f"Bearer {key}"}
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, or a pid that is gone, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -37,6 +37,7 @@ from pagedbackend.serving.request import (RequestError, check_single_batch,  # n
 from pagedbackend.serving.responses import Outgoing  # noqa: E402
 from pagedbackend.serving.settings import (engine_config, parameters_of,  # noqa: E402
                                            streaming_options)
+from pagedbackend.serving.supervisor import exit_when_orphaned  # noqa: E402
 
 ERROR_CODES = {"invalid": "INVALID_ARG", "cancelled": "CANCELLED", "unavailable": "UNAVAILABLE",
                "internal": "INTERNAL"}
@@ -54,6 +55,7 @@ class TritonPythonModel:
         admission = AdmissionConfig.from_parameters(params)
         self.input_names = [i["name"] for i in self.model_config["input"] if i["name"] != "stop"]
         self.log = pb_utils.Logger
+        exit_when_orphaned()        # a stub outliving its server would hold the model forever
         # Built before initialize() returns: Triton reports the model ready only after this.
         self.engine = LLMEngine(config)
         served = params.get("served_model_name") or Path(config.model).name
