@@ -42,7 +42,8 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def flood(url: str, clients: int, seconds: float, body: dict, headers=None) -> dict:
+def flood(url: str, clients: int, seconds: float, body: dict, headers=None,
+          backoff_s: float = 0.05) -> dict:
     """`clients` closed-loop clients for `seconds`: latencies of 200s and of refusals."""
     ok, refused, other = [], [], []
     lock = threading.Lock()
@@ -66,7 +67,7 @@ def flood(url: str, clients: int, seconds: float, body: dict, headers=None) -> d
                     else:
                         other.append((status, text[:100]))
                 if status != 200:
-                    time.sleep(0.05)     # a refused client backs off a little, as SDKs do
+                    time.sleep(backoff_s)     # a refused client backs off, as SDKs do
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     for t in threads:
@@ -102,12 +103,15 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--max-queue-len", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=2)
+    p.add_argument("--backoff-s", type=float, default=0.05,
+                   help="how long a refused client waits before its next request")
+    p.add_argument("--suffix", default="", help="result file suffix")
     args = p.parse_args()
     # the commit the run started from (HEAD may move while it runs)
     os.environ.setdefault("PAGEDBACKEND_COMMIT", commit())
     base = {**BASE, "max_num_seqs": str(args.max_num_seqs)}
     data: dict = {"clients": args.clients, "seconds": args.seconds, "engine": base,
-                  "max_queue_len": args.max_queue_len}
+                  "max_queue_len": args.max_queue_len, "backoff_s": args.backoff_s}
 
     def admitted_run(server) -> None:
         url = f"http://{server.http_url}/v2/models/ensemble/generate"
@@ -119,13 +123,14 @@ def main() -> None:
             assert httpx.post(url, json=BODY, timeout=300).status_code == 200
             lat.append(time.monotonic() - t0)
         data["unloaded_p50_s"] = statistics.median(lat)
-        data["with_admission"] = flood(url, args.clients, args.seconds, BODY)
-        data["gateway_rate_limit"] = gateway_run(server, args.seconds / 2)
+        data["with_admission"] = flood(url, args.clients, args.seconds, BODY,
+                                       backoff_s=args.backoff_s)
+        data["gateway_rate_limit"] = gateway_run(server, args.seconds / 2, args.backoff_s)
 
     with_server({**base, "max_queue_len": str(args.max_queue_len)}, admitted_run)
     with_server({**base, "max_queue_len": "0"}, lambda server: data.__setitem__(
         "without_admission", flood(f"http://{server.http_url}/v2/models/ensemble/generate",
-                                   args.clients, args.seconds, BODY)))
+                                   args.clients, args.seconds, BODY, backoff_s=args.backoff_s)))
     l0 = data["unloaded_p50_s"]
     rows = []
     for name in ("with_admission", "without_admission"):
@@ -145,14 +150,14 @@ def main() -> None:
                  "p50_s": round(g["admitted_p50_s"], 3), "p90_s": round(g["admitted_p90_s"], 3),
                  "p50/L0": "", "p90/L0": "", "refusal_p50_ms": round(g["refusal_p50_ms"], 1),
                  "refusal_p99_ms": round(g["refusal_p99_ms"], 1)})
-    path = write_result("overload", "smollm2", data)
+    path = write_result("overload", "smollm2", data, suffix=args.suffix)
     print(f"wrote {path}")
     print_table(rows, f"overload: {args.clients} clients, {args.seconds:g} s each, unloaded "
                       f"p50 L0 = {l0:.3f} s (max_num_seqs={args.max_num_seqs}, "
-                      f"max_queue_len={args.max_queue_len})")
+                      f"max_queue_len={args.max_queue_len}, backoff {args.backoff_s:g} s)")
 
 
-def gateway_run(server, seconds: float) -> dict:
+def gateway_run(server, seconds: float, backoff_s: float) -> dict:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", server.grpc_url,
@@ -171,7 +176,7 @@ def gateway_run(server, seconds: float) -> dict:
         body = {"model": "smollm2", "prompt": BODY["text_input"], "max_tokens": 16,
                 "ignore_eos": True, "temperature": 0.0}
         return flood(base + "/v1/completions", 8, seconds, body,
-                     headers={"Authorization": f"Bearer {KEY}"})
+                     headers={"Authorization": f"Bearer {KEY}"}, backoff_s=backoff_s)
     finally:
         proc.terminate()
         proc.wait(15)
