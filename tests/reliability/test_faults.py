@@ -107,8 +107,10 @@ def test_gateway_disconnect_frees_kv(triton, smollm2_dir, stream):
             if stream:
                 with http.stream("POST", base + "/v1/completions", json=body) as r:
                     assert r.status_code == 200
-                    next(r.iter_lines())
-                    assert kv_rises(triton)
+                    lines = r.iter_lines()
+                    first = [next(lines) for _ in range(4)]
+                    assert not any('"error"' in line for line in first), first
+                    assert kv_rises(triton), (first, gauges(triton))
             else:
                 with pytest.raises(httpx.ReadTimeout):
                     http.post(base + "/v1/completions", json=body, timeout=3)
