@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,6 +29,7 @@ from pagedbackend.serving.launcher import (ENGINE_PARAMETERS, REPO_ROOT,  # noqa
                                            TritonServer, env_overrides,
                                            materialize_repository, remove_shm, server_env,
                                            shm_regions)
+from pagedbackend.serving.supervisor import Supervisor  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -79,7 +79,12 @@ def main(argv=None) -> int:
     model_dir = overrides.get("model")
     server = TritonServer(repository, workdir, args.http_port, args.grpc_port,
                           args.metrics_port, log_verbose=args.log_verbose)
-    procs: list[subprocess.Popen] = []     # each leads its own process group
+    gateway: list[subprocess.Popen] = []   # each leads its own process group, as tritonserver
+
+    def groups() -> list[subprocess.Popen]:
+        """tritonserver's current process (the supervisor may restart it), and the gateway."""
+        return [p for p in (server.proc, *gateway) if p is not None]
+
     signals: list[int] = []
 
     def on_signal(signum, frame):
@@ -87,19 +92,19 @@ def main(argv=None) -> int:
         if len(signals) == 1:
             raise Stopping()
         print("stopping now", file=sys.stderr, flush=True)
-        _signal_groups(procs, signal.SIGKILL)      # second Ctrl-C: no more waiting
+        _signal_groups(groups(), signal.SIGKILL)   # second Ctrl-C: no more waiting
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     print(f"tritonserver: {' '.join(server.cmd)}", flush=True)
     try:
-        procs.append(server.start().proc)
+        server.start()
         server.wait_ready(timeout=float(os.environ.get("PAGEDBACKEND_START_TIMEOUT", 600)))
         print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics "
               f"{server.metrics_url}", flush=True)
         if not args.no_gateway and gateway_available():
             tokenizer = model_dir or str(REPO_ROOT / "models" / "smollm2-135m-instruct")
-            procs.append(subprocess.Popen(
+            gateway.append(subprocess.Popen(
                 [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", server.grpc_url,
                  "--triton-metrics", server.metrics_url,
                  "--host", "127.0.0.1", "--port", str(args.gateway_port), "--tokenizer",
@@ -108,17 +113,16 @@ def main(argv=None) -> int:
                    if args.tool_call_parser else []),
                 cwd=str(REPO_ROOT), env=server_env(), start_new_session=True))
             print(f"OpenAI gateway: http://127.0.0.1:{args.gateway_port}/v1", flush=True)
-        while server.proc.poll() is None:
-            time.sleep(0.5)
-        return server.proc.returncode or 0
+        # restarts tritonserver if the engine's stub dies (supervisor.py says why)
+        return Supervisor(server).run()
     except Stopping:
         print("stopping (Ctrl-C again to kill at once)", file=sys.stderr, flush=True)
         return 0
     finally:
         try:
-            _stop_all(procs, STOP_GRACE_S)
+            _stop_all(groups(), STOP_GRACE_S)
         except Stopping:                  # a signal while stopping: kill what is left
-            _stop_all(procs, 0.0)
+            _stop_all(groups(), 0.0)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

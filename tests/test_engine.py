@@ -207,7 +207,8 @@ def test_request_validation_names_field(llama_dir):
     (dict(dtype="int8"), "dtype"), (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(num_kv_blocks=0), "num_kv_blocks"), (dict(max_model_len=0), "max_model_len"),
     (dict(device="tpu"), "device"), (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
-    (dict(kv_cache_dtype="int8"), "kv_cache_dtype"), (dict(quantization="int8"), "quantization"),
+    (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
+    (dict(quantization="bitsandbytes"), "quantization"),
 ])
 def test_engine_config_validation_names_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}=.*must be"):

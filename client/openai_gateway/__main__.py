@@ -9,6 +9,7 @@ import uvicorn
 
 from client.openai_gateway.app import DEFAULT_MAX_BODY_BYTES, create_app
 from client.openai_gateway.prompts import PromptRenderer
+from client.openai_gateway.ratelimit import RateLimiter
 from client.openai_gateway.tools import TOOL_PARSERS
 from client.openai_gateway.triton_backend import TritonBackend
 
@@ -40,8 +41,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "{json}</tool_call>, Qwen2.5/Qwen3/Hermes chat templates) or "
                         "llama3_json (Llama 3.1/3.2: the output is the JSON call)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--rate-limit", type=float, default=None, metavar="R",
+                   help="at most R requests per second per API key (429 + Retry-After past it)")
+    p.add_argument("--rate-limit-burst", type=float, default=None, metavar="B",
+                   help="bursts of up to B requests per key (default: max(1, R))")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
+    if args.rate_limit is None and args.rate_limit_burst is not None:
+        p.error("--rate-limit-burst needs --rate-limit")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         p.error("--enable-auto-tool-choice needs --tool-call-parser")
     return args
@@ -60,7 +67,9 @@ def build_app(args: argparse.Namespace):
                      max_body_bytes=args.max_body_bytes,
                      metrics_url=None if metrics == "off" else metrics,
                      tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
-                     else None)
+                     else None,
+                     rate_limit=None if args.rate_limit is None else
+                     RateLimiter(args.rate_limit, args.rate_limit_burst))
     # The key itself is never logged; only whether one is set.
     logging.getLogger("openai_gateway").info(
         "serving %s on http://%s:%d (Triton gRPC %s, model %s, api key %s)", names, args.host,

@@ -23,6 +23,7 @@ from client.openai_gateway.body import read_json
 from client.openai_gateway.errors import APIError, from_triton
 from client.openai_gateway.prompts import PromptRenderer
 from client.openai_gateway.protocol import parse_chat, parse_completion, unknown_model
+from client.openai_gateway.ratelimit import RateLimiter, RateLimitMiddleware
 from client.openai_gateway.serving import Generation
 
 log = logging.getLogger("openai_gateway")
@@ -36,7 +37,8 @@ def create_app(backend: Backend, served_names: list[str], api_key: Optional[str]
                renderer: Optional[PromptRenderer] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                metrics_url: Optional[str] = None,
-               tool_call_parser: Optional[str] = None) -> FastAPI:
+               tool_call_parser: Optional[str] = None,
+               rate_limit: Optional[RateLimiter] = None) -> FastAPI:
     """metrics_url: Triton's Prometheus endpoint, served again at /metrics (vLLM's server has
     its metrics on its own port); None: no /metrics route. tool_call_parser: the format of tool
     calls in the model's free text (tools.TOOL_PARSERS), which tool_choice "auto" needs."""
@@ -44,6 +46,8 @@ def create_app(backend: Backend, served_names: list[str], api_key: Optional[str]
                   openapi_url=None)
     renderer = renderer or PromptRenderer(None)
     created = int(time.time())
+    if rate_limit is not None:      # added first: runs after the key check (ratelimit.py)
+        app.add_middleware(RateLimitMiddleware, limiter=rate_limit)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, key=api_key)
 

@@ -13,7 +13,8 @@ _PROMPT_FIELDS = {"text_input", "prompt", "prompt_token_ids", "input_ids", "prom
 _QUEUE_FULL = ("exceeds maximum queue size", "queue is full", "queue full", "resource exhausted",
                "resource_exhausted", "too many requests", "max_inflight")
 _UNAVAILABLE = ("not ready", "unavailable", "is not found", "unknown model", "failed to connect",
-                "connection refused", "shutting down", "engine loop", "not loaded")
+                "connection refused", "shutting down", "engine loop", "not loaded",
+                "is not healthy", "max_queue_delay_ms")
 
 
 class APIError(Exception):

@@ -36,6 +36,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
+from pagedbackend.serving.admission import Admission, AdmissionConfig
 from pagedbackend.serving.beam_requests import BeamRequests
 from pagedbackend.serving.busy_period import BusyPeriod
 from pagedbackend.serving.live_request import LiveRequest
@@ -55,7 +56,8 @@ class EngineLoop:
                  log: Callable[[str], None] = print, on_dead: Optional[Callable[[], None]] = None,
                  cancel_poll_s: float = 0.05, stats_period_s: float = 0.5,
                  coalesce: bool = True, max_responses_per_s: float = 0.0,
-                 info: Optional[Callable[[str], None]] = None):
+                 info: Optional[Callable[[str], None]] = None,
+                 admission: AdmissionConfig = AdmissionConfig()):
         self.engine, self.metrics, self._log = engine, metrics, log
         # info: called on the sender thread (stub IPC stays there) with one line per busy
         # period (busy_period.py)
@@ -68,6 +70,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._cancels: queue.SimpleQueue = queue.SimpleQueue()
+        self._admission = Admission(admission, self._inbox)     # admission.py
         self._live: dict[str, LiveRequest] = {}
         self._beams = BeamRequests(engine, log)          # requests with beam_width > 1
         self._handles: dict[str, tuple[Any, str]] = {}
@@ -94,6 +97,10 @@ class EngineLoop:
     def submit(self, handle: Any, req: ParsedRequest, key: str = "") -> None:
         if self._dead.is_set():
             self.reject(handle, "the engine has stopped; the model is unavailable", "unavailable")
+            return
+        refused = self._admission.refusal()
+        if refused:
+            self.reject(handle, refused, "unavailable")
             return
         grammars = getattr(self.engine, "grammars", None)
         if req.params.structured_outputs is not None and grammars is not None:
@@ -143,6 +150,7 @@ class EngineLoop:
                 busy = self.engine.has_unfinished()
                 self._take_inbox(block=not busy)
                 self._take_cancels()
+                self._admit_and_expire()
                 if self.engine.has_unfinished():
                     t0 = time.monotonic()
                     period = period or BusyPeriod(t0)
@@ -153,6 +161,7 @@ class EngineLoop:
                         self.metrics.on_step(tokens)
                     for out in outputs:
                         self._on_output(out, now)
+                    self._admit_and_expire()
                     period.add_step(t0, now, time.monotonic(), len(outputs))
                     busy = True
                 now = time.monotonic()
@@ -220,6 +229,18 @@ class EngineLoop:
             self._cancels.put(rid)
         if ids:
             self.engine.abort(ids)      # frees KV blocks now; final output on the next step
+
+    def _admit_and_expire(self) -> None:
+        """Publish the engine's queue length to admission control; end requests that waited
+        past max_queue_delay_ms for their first token (admission.py)."""
+        if self._admission.config.max_queue_len:
+            self._admission.on_engine_waiting(self.engine.stats())
+        # a beam search's rounds are its own sub-requests: it has no first token until the end
+        live = ((rid, r) for rid, r in self._live.items() if rid not in self._beams)
+        for rid, message in self._admission.overdue(live, time.monotonic()):
+            self.engine.abort([rid])        # frees its blocks; its last output is ignored
+            self._finish(rid, Outgoing(self._live[rid].handle, error=message,
+                                       error_kind="unavailable", final=True), reason="abort")
 
     def _on_output(self, out: Any, now: float) -> None:
         if self._beams.owns(out.request_id):

@@ -31,7 +31,7 @@ ENGINE_PARAMETERS = ("model", "block_size", "max_num_seqs", "max_model_len",
                      "num_kv_blocks", "kv_cache_memory_bytes", "load_format", "enforce_eager",
                      "seed", "async_scheduling", "max_responses_per_s", "stream_coalesce",
                      "speculative_config", "swap_space", "preemption_mode",
-                     "generation_config")
+                     "generation_config", "max_queue_len", "max_queue_delay_ms")
 ENV_PREFIX = "PAGEDBACKEND_"
 
 
@@ -226,9 +226,15 @@ class TritonServer:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def start(self, stdout=None, stderr=None) -> "TritonServer":
+        self._output = (stdout, stderr)
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=stdout, stderr=stderr,
                                      start_new_session=True)
         return self
+
+    def restart(self, stop_timeout: float = 2.0) -> "TritonServer":
+        """Stop (SIGKILL after stop_timeout seconds) and start again: same ports, same output."""
+        self.stop(stop_timeout)
+        return self.start(*self._output)
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         """Until /v2/health/ready answers 200 and then /metrics does: tritonserver starts its

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[3]      # this checkout, when pagedbacke
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from pagedbackend.serving.admission import AdmissionConfig  # noqa: E402
 from pagedbackend.serving.engine_loop import EngineLoop  # noqa: E402
 from pagedbackend.serving.metrics import ServingMetrics, cache_config_labels  # noqa: E402
 from pagedbackend.serving.request import (RequestError, check_single_batch,  # noqa: E402
@@ -36,6 +37,7 @@ from pagedbackend.serving.request import (RequestError, check_single_batch,  # n
 from pagedbackend.serving.responses import Outgoing  # noqa: E402
 from pagedbackend.serving.settings import (engine_config, parameters_of,  # noqa: E402
                                            streaming_options)
+from pagedbackend.serving.supervisor import exit_when_orphaned  # noqa: E402
 
 ERROR_CODES = {"invalid": "INVALID_ARG", "cancelled": "CANCELLED", "unavailable": "UNAVAILABLE",
                "internal": "INTERNAL"}
@@ -50,8 +52,10 @@ class TritonPythonModel:
         params = parameters_of(self.model_config)
         config = engine_config(params, ROOT)
         streaming = streaming_options(params)   # checked before the (slow) engine build
+        admission = AdmissionConfig.from_parameters(params)
         self.input_names = [i["name"] for i in self.model_config["input"] if i["name"] != "stop"]
         self.log = pb_utils.Logger
+        exit_when_orphaned()        # a stub outliving its server would hold the model forever
         # Built before initialize() returns: Triton reports the model ready only after this.
         self.engine = LLMEngine(config)
         # generation_config.json's sampling values, for the fields a request leaves unset
@@ -63,7 +67,7 @@ class TritonPythonModel:
                                       num_speculative_tokens=spec and spec.num_speculative_tokens)
         self.loop = EngineLoop(self.engine, self._send, self.metrics, log=self.log.log_error,
                                on_dead=self._unload_self, info=self.log.log_info,
-                               **streaming).start()
+                               admission=admission, **streaming).start()
         self.log.log_info(f"engine ready: {self.engine.info}")
 
     def execute(self, requests):
