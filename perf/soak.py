@@ -31,6 +31,7 @@ import httpx
 
 from common import ROOT, commit, print_table, write_result
 
+from pagedbackend.serving import processes
 from pagedbackend.serving.launcher import TritonServer, free_port, materialize_repository
 
 MODEL = os.path.join(ROOT, "models", "smollm2-135m-instruct")
@@ -62,25 +63,10 @@ def metrics(url: str) -> dict[str, float]:
 
 def tree(root: int) -> dict[int, tuple[str, int]]:
     """{pid: (command, RSS bytes)} of root and every live process below it."""
-    parent, info = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if fields[0] == "Z":
-            continue
-        parent[int(entry)] = int(fields[1])
-        info[int(entry)] = (cmd, int(fields[21]) * os.sysconf("SC_PAGE_SIZE"))
-    out, frontier = {root: info.get(root, ("", 0))}, {root}
-    while frontier:
-        frontier = {p for p, pp in parent.items() if pp in frontier}
-        out.update({p: info[p] for p in frontier})
+    table = processes.process_table()
+    below = [p for p in processes.descendants(root, table) if p.live]
+    out = {root: (table[root].cmdline, table[root].rss_bytes) if root in table else ("", 0)}
+    out.update({p.pid: (p.cmdline, p.rss_bytes) for p in below})
     return out
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pagedbackend import LLM, SamplingParams
+from pagedbackend.serving.processes import descendants
 from pagedbackend.testing import ARCHS, make_hf_checkpoint
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
@@ -226,23 +227,8 @@ def _triton_or_skip():
 
 
 def _descendants(root: int) -> list[tuple[int, str]]:
-    """(pid, command line) of every live process below `root`."""
-    parent, cmd = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent[int(entry)] = int(f.read().split(")")[-1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            pass
-    out, frontier = [], {root}
-    while frontier:
-        frontier = {p for p, pp in parent.items() if pp in frontier}
-        out += [(p, cmd.get(p, "")) for p in frontier]
-    return out
+    """(pid, command line) of every process below `root`."""
+    return [(p.pid, p.cmdline) for p in descendants(root)]
 
 
 def _stream(grpc_url: str, prompt: str, max_tokens: int, timeout: float = 60.0):

@@ -18,31 +18,15 @@ import threading
 import time
 from typing import Callable, Optional
 
+from pagedbackend.serving.processes import process_table
+
 ENGINE_STUB = ("triton_python_backend_stub", "/engine/1/model.py")
 
 
 def engine_stub_pids(root: int) -> list[int]:
-    """Live (not zombie) engine stubs below the tritonserver process `root`."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                children.setdefault(int(fields[1]), []).append(int(entry))
-    found = []
-    for pid in children.get(root, []):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        if all(part in cmd for part in ENGINE_STUB):
-            found.append(pid)
-    return found
+    """Live (not zombie) engine stubs started by the tritonserver process `root`."""
+    return [p.pid for p in process_table().values()
+            if p.ppid == root and p.live and all(part in p.cmdline for part in ENGINE_STUB)]
 
 
 def exit_when_orphaned(poll_s: float = 1.0) -> threading.Thread:

@@ -20,6 +20,8 @@ import httpx
 
 from triton_fixtures import metric_value, metrics
 
+from pagedbackend.serving import processes
+
 ROOT = Path(__file__).resolve().parents[2]
 GATEWAY_KEY = "sk-fault-test-key"
 
@@ -50,24 +52,7 @@ def idle(server) -> bool:
 
 def descendants(root: int) -> list[tuple[int, str, str]]:
     """(pid, state, command line) of every process below `root` (state "Z": a zombie)."""
-    parent, info = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        parent[int(entry)] = int(fields[1])
-        info[int(entry)] = (fields[0], cmd)
-    out, frontier = [], {root}
-    while frontier:
-        frontier = {p for p, pp in parent.items() if pp in frontier}
-        out += [(p, *info[p]) for p in frontier]
-    return out
+    return [(p.pid, p.state, p.cmdline) for p in processes.descendants(root)]
 
 
 def engine_stub(server) -> int:

@@ -15,34 +15,20 @@ import pytest
 
 from reliability_helpers import QUESTION, ROOT
 
+from pagedbackend.serving.processes import process_table
+
 # Generous: the point is seconds, not the minute it used to take; not a speed assertion.
 STOPPED_WITHIN_S = 30.0
 
 
 def _group_members(pgids: set[int]) -> list[str]:
     """Live (non-zombie) processes in these process groups, as 'pid state cmd'."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        state, _, pgid = text[text.rindex(")") + 2:].split()[:3]
-        if int(pgid) in pgids and state != "Z":
-            out.append(f"{stat.parent.name} {state} {text[:text.rindex(')') + 1]}")
-    return out
+    return [f"{p.pid} {p.state} {p.cmdline}" for p in process_table().values()
+            if p.pgid in pgids and p.live]
 
 
 def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        if int(text[text.rindex(")") + 2:].split()[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
+    return [p.pid for p in process_table().values() if p.ppid == pid]
 
 
 def _start(model_dir: str, tmp_path: Path) -> tuple[subprocess.Popen, dict, Path]:
