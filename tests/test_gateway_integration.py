@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from triton_fixtures import metric_value, metrics
+from triton_fixtures import metric_value, metrics, running_gateway
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-integration-test-key"
@@ -25,39 +21,9 @@ QUESTION = "What is the capital of France?"
 @pytest.fixture(scope="module")
 def gateway(triton, smollm2_dir):
     """`python -m client.openai_gateway` on a free port; the key comes from the env variable."""
-    from pagedbackend.serving.launcher import free_port
-
-    port = free_port()
-    env = {**os.environ, "PAGEDBACKEND_API_KEY": KEY}
-    log = tempfile.NamedTemporaryFile("w+", prefix="gateway-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", triton.grpc_url,
-         "--triton-metrics", triton.metrics_url,
-         "--host", "127.0.0.1", "--port", str(port), "--tokenizer", smollm2_dir,
-         "--served-model-name", *NAMES], cwd=ROOT, env=env, stdout=log,
-        stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, open(log.name).read()
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "gateway not healthy: " + open(log.name).read()
-            time.sleep(0.3)
-        yield {"base": base, "metrics": triton, "log": log.name}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        text = open(log.name).read()
-        os.unlink(log.name)
-        assert KEY not in text, "the API key appeared in the gateway's log"
+    with running_gateway(triton, smollm2_dir, "--host", "127.0.0.1", "--served-model-name",
+                         *NAMES, env={"PAGEDBACKEND_API_KEY": KEY}, secret=KEY) as gw:
+        yield {**gw, "metrics": triton}
 
 
 @pytest.fixture(scope="module")

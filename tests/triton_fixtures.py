@@ -1,17 +1,23 @@
 """A real tritonserver on the real SmolLM2 model, started once per test session on free ports
-(so the suite runs beside a `make serve`), with helpers to read /metrics and call HTTP."""
+(so the suite runs beside a `make serve`), the OpenAI gateway as a process in front of one, and
+helpers to read /metrics and call HTTP."""
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional
 
+import httpx
 import pytest
 
 from pagedbackend.serving.launcher import TritonServer, free_port, materialize_repository
@@ -48,6 +54,44 @@ def running_server(model_dir: str, settings: Mapping[str, str] = TEST_ENGINE_SET
                 server.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running_gateway(server, tokenizer: str, *args: str, env: Optional[Mapping[str, str]] = None,
+                    secret: Optional[str] = None) -> Iterator[dict]:
+    """`python -m client.openai_gateway` in front of `server` on a free port, as its own process
+    (uvicorn, so disconnects are real), with `args` added; yields {"base", "port", "log"} once
+    /health answers. With `secret`, checks at the end that it never reached the gateway's log."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="gateway-", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", server.grpc_url,
+         "--triton-metrics", server.metrics_url, "--port", str(port), "--tokenizer", tokenizer,
+         *args], cwd=Path(__file__).resolve().parents[1], env={**os.environ, **(env or {})},
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, open(log.name).read()
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "gateway not healthy: " + open(log.name).read()
+            time.sleep(0.3)
+        yield {"base": base, "port": port, "log": log.name}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        text = open(log.name).read()
+        os.unlink(log.name)
+        assert secret is None or secret not in text, "the API key appeared in the gateway's log"
 
 
 @pytest.fixture(scope="session")

@@ -4,56 +4,23 @@ in are in reliability_helpers.py; fault fixtures live in fault_fixtures.py."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from reliability_helpers import API_KEY, QUESTION, ROOT  # noqa: F401 (QUESTION: tests)
+from triton_fixtures import running_gateway
 
 
 @pytest.fixture(scope="session")
 def gateway(triton, smollm2_dir):
     """`python -m client.openai_gateway` on a free port with an API key (from the env variable),
-    the default 4 MiB body limit; yields its base URL."""
-    from pagedbackend.serving.launcher import free_port
-
-    port = free_port()
-    env = {**os.environ, "PAGEDBACKEND_API_KEY": API_KEY}
-    log = tempfile.NamedTemporaryFile("w+", prefix="gateway-rel-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", triton.grpc_url,
-         "--triton-metrics", triton.metrics_url, "--port", str(port),
-         "--tokenizer", smollm2_dir], cwd=ROOT, env=env, stdout=log,
-        stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, open(log.name).read()
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "gateway not healthy: " + open(log.name).read()
-            time.sleep(0.3)
-        yield {"base": base, "log": log.name, "port": port}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        text = open(log.name).read()
-        os.unlink(log.name)
-        assert API_KEY not in text, "the API key appeared in the gateway's log"
+    the default 4 MiB body limit and the default address; yields its base URL, port and log."""
+    with running_gateway(triton, smollm2_dir, env={"PAGEDBACKEND_API_KEY": API_KEY},
+                         secret=API_KEY) as gw:
+        yield gw
 
 
 @pytest.fixture(scope="session")

@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import queue
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -18,7 +14,7 @@ from typing import Callable, Iterator, Optional
 
 import httpx
 
-from triton_fixtures import metric_value, metrics
+from triton_fixtures import metric_value, metrics, running_gateway
 
 from pagedbackend.serving import processes
 
@@ -151,34 +147,9 @@ def ending(events: "queue.Queue", timeout: float) -> Optional[str]:
 def gateway_process(server, model_dir: str, *extra: str) -> Iterator[str]:
     """`python -m client.openai_gateway` in front of `server` on a free port; yields its base
     URL. The key is GATEWAY_KEY."""
-    from pagedbackend.serving.launcher import free_port
-
-    port = free_port()
-    env = {**os.environ, "PAGEDBACKEND_API_KEY": GATEWAY_KEY}
-    log = tempfile.NamedTemporaryFile("w+", prefix="gateway-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", server.grpc_url,
-         "--triton-metrics", server.metrics_url, "--host", "127.0.0.1", "--port", str(port),
-         "--tokenizer", model_dir, "--served-model-name", "smollm2", *extra],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        def healthy() -> bool:
-            assert proc.poll() is None, open(log.name).read()
-            try:
-                return httpx.get(f"{base}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-        assert wait_for(healthy, 120, 0.3), "gateway not healthy: " + open(log.name).read()
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        os.unlink(log.name)
+    with running_gateway(server, model_dir, "--host", "127.0.0.1", "--served-model-name",
+                         "smollm2", *extra, env={"PAGEDBACKEND_API_KEY": GATEWAY_KEY}) as gw:
+        yield gw["base"]
 
 
 def auth(key: str = GATEWAY_KEY) -> dict:
@@ -187,8 +158,5 @@ def auth(key: str = GATEWAY_KEY) -> dict:
 
 def alive(pid: int) -> bool:
     """Running (a zombie, or a pid that is gone, is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    proc = processes.read_proc(pid)
+    return proc is not None and proc.live
