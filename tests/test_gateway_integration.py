@@ -6,14 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from triton_fixtures import metric_value, metrics, running_gateway
 
-ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-integration-test-key"
 NAMES = ["smollm2", "smol-alias"]
 QUESTION = "What is the capital of France?"

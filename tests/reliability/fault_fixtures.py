@@ -9,7 +9,6 @@ import json
 import queue
 import threading
 import time
-from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import httpx
@@ -18,7 +17,6 @@ from triton_fixtures import metric_value, metrics, running_gateway
 
 from pagedbackend.serving import processes
 
-ROOT = Path(__file__).resolve().parents[2]
 GATEWAY_KEY = "sk-fault-test-key"
 
 
