@@ -7,22 +7,13 @@ where it applies. The skinny matmul's one-row tiles that widen e4m3 with integer
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 at tiny shapes (as in test_kernels.py)."""
 import importlib
-import os
-import sys
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-    if "pagedbackend.kernels.common" in sys.modules \
-            and not sys.modules["pagedbackend.kernels.common"].INTERPRET:
-        for name in [m for m in sys.modules if m.startswith("pagedbackend.kernels")]:
-            del sys.modules[name]
+from kernel_env import CUDA, DEV  # before any kernel module: sets TRITON_INTERPRET
 pytest.importorskip("triton")
 
-DEV = torch.device("cuda" if CUDA else "cpu")
 
 
 def kernels(name):

@@ -5,19 +5,11 @@ run at llama-3.1-8b attention shapes (head_dim 128, block 16, GQA 4, contexts up
 """
 import importlib
 import os
-import sys
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    # Must precede the kernels' import: triton picks interpret-vs-compile when it decorates.
-    os.environ["TRITON_INTERPRET"] = "1"
-    if "pagedbackend.kernels.common" in sys.modules \
-            and not sys.modules["pagedbackend.kernels.common"].INTERPRET:
-        for name in [m for m in sys.modules if m.startswith("pagedbackend.kernels")]:
-            del sys.modules[name]
+from kernel_env import CUDA, DEV  # before any kernel module: sets TRITON_INTERPRET
 pytest.importorskip("triton")
 
 kernels = importlib.import_module("pagedbackend.kernels")
@@ -27,7 +19,6 @@ from pagedbackend.layers import rotary as torch_rotary  # noqa: E402
 from pagedbackend.kernels.testing import random_paged_batch  # noqa: E402
 from pagedbackend.layers.attention import paged_attention_ref, write_kv_cache  # noqa: E402
 
-DEV = torch.device("cuda" if CUDA else "cpu")
 # (q heads, kv heads, head_dim): CPU shapes stay tiny, the interpreter runs programs one by one.
 if CUDA:
     SHAPES = {1: (8, 8, 128), 2: (16, 8, 128), 4: (32, 8, 128)}

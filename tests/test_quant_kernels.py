@@ -2,26 +2,16 @@
 PackedWeight: the skinny W4A16 / W8A16 matmul for 1-8 rows and the dequantize kernel. Without
 CUDA they run under TRITON_INTERPRET=1 at tiny shapes."""
 import importlib
-import os
-import sys
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    # Must precede the kernels' import: triton picks interpret-vs-compile when it decorates.
-    os.environ["TRITON_INTERPRET"] = "1"
-    if "pagedbackend.kernels.common" in sys.modules \
-            and not sys.modules["pagedbackend.kernels.common"].INTERPRET:
-        for name in [m for m in sys.modules if m.startswith("pagedbackend.kernels")]:
-            del sys.modules[name]
+from kernel_env import CUDA, DEV  # before any kernel module: sets TRITON_INTERPRET
 pytest.importorskip("triton")
 
 gemv_w4 = importlib.import_module("pagedbackend.kernels.gemv_w4")
 from pagedbackend.layers.quant_grouped import PackedWeight  # noqa: E402
 
-DEV = torch.device("cuda" if CUDA else "cpu")
 
 
 def packed_weight(n: int, k: int, bits: int, group: int) -> PackedWeight:
