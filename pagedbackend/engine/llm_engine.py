@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from pagedbackend.config import EngineConfig, check
 from pagedbackend.core.kv_cache_manager import KVCacheManager
 from pagedbackend.core.request import Request, RequestStatus
 from pagedbackend.core.scheduler import Scheduler
+from pagedbackend.engine.engine_stats import EngineStats, StepTiming
 from pagedbackend.engine.generation_config import default_params, load_sampling_defaults
 from pagedbackend.engine.model_files import load_model_files
 from pagedbackend.engine.output_processor import OutputProcessor
@@ -26,69 +26,6 @@ logger = logging.getLogger("pagedbackend")
 PromptType = Union[str, Sequence[int], dict]
 # A tenant's name or a random token: far below what would cost hashing or memory per request.
 MAX_CACHE_SALT_CHARS = 1024
-
-
-@dataclass
-class StepTiming:
-    """Where a step's wall time goes (perf scripts read it; summed over steps)."""
-    steps: int = 0
-    tokens: int = 0
-    wall_s: float = 0.0          # first step start -> last step end
-    first: float = 0.0
-    schedule_s: float = 0.0
-    execute_s: float = 0.0       # prepare + launch + wait for the sampled ids
-    postprocess_s: float = 0.0   # scheduler update + outputs (partly, until collect())
-
-    def add(self, t0: float, t1: float, t2: float, t3: float, tokens: int) -> None:
-        if not self.steps:
-            self.first = t0
-        self.wall_s = t3 - self.first
-        self.steps += 1
-        self.tokens += tokens
-        self.schedule_s += t1 - t0
-        self.execute_s += t2 - t1
-        self.postprocess_s += t3 - t2
-
-    def summary(self, sync_wait_s: float, gpu_busy_s: float = 0.0,
-                path_steps: Optional[dict] = None) -> dict:
-        """Per-step means. gpu_busy_ms (CUDA) is the device time from a step's first upload to
-        its ids being copied out; gpu_idle_fraction = 1 - busy / wall over the steps timed;
-        path_steps: the runner's step counts by path (model_runner.new_path_steps)."""
-        n = max(1, self.steps)
-        host = self.schedule_s + self.execute_s + self.postprocess_s - sync_wait_s
-        return {"steps": self.steps, "tokens_per_step": self.tokens / n,
-                "step_ms": (self.schedule_s + self.execute_s + self.postprocess_s) / n * 1e3,
-                "schedule_ms": self.schedule_s / n * 1e3,
-                "execute_ms": self.execute_s / n * 1e3,
-                "postprocess_ms": self.postprocess_s / n * 1e3,
-                "gpu_wait_ms": sync_wait_s / n * 1e3, "host_ms": host / n * 1e3,
-                "gpu_busy_ms": gpu_busy_s / n * 1e3,
-                "gpu_idle_fraction": (max(0.0, 1 - gpu_busy_s / self.wall_s)
-                                      if gpu_busy_s and self.wall_s else None),
-                **({"path_steps": dict(path_steps)} if path_steps is not None else {})}
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_kv_blocks: int
-    num_used_blocks: int
-    spec_decode: Optional[Any] = None   # a SpecDecodeStats snapshot, when speculating
-    # the host tier (swap_space > 0; zeros without it)
-    num_swapped: int = 0
-    cpu_cache_usage: float = 0.0
-    num_host_blocks: int = 0
-    swap_out_blocks: int = 0
-    swap_in_blocks: int = 0
-    cpu_prefix_cache_queries: int = 0
-    cpu_prefix_cache_hits: int = 0
-    preemptions_swap: int = 0
-    preemptions_recompute: int = 0
 
 
 class LLMEngine:

@@ -37,7 +37,7 @@ TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 FINISH_REASONS = ("stop", "length", "abort")
 
-# Gauge/counter key -> pagedbackend.engine.llm_engine.EngineStats attribute.
+# Gauge/counter key -> pagedbackend.engine.engine_stats.EngineStats attribute.
 STAT_NAMES = {
     "running": "num_running",
     "waiting": "num_waiting",
