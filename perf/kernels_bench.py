@@ -267,12 +267,74 @@ def bench_fp8_inputs():
                 f"{n * k / (tt * 1e-3) / 1e12:5.2f} TB/s of weights")
 
 
+def bench_w4():
+    """AWQ / GPTQ at one row (W1's decode step), llama-3.1-8b's four matmuls with 4-bit codes in
+    groups of 128: each one-row tile reading its codes as int32 words ("triton") against the
+    same tile reading bytes ("torch" column), plain and with its prologue inside; then the
+    tuner's choices against dequantize + cuBLAS and against bf16 cuBLAS on a 16-bit weight of
+    the same shape. Graph-timed with the L2 flushed, as the tuner times. TB/s: the codes',
+    scales' and zeros' bytes."""
+    from pagedbackend.kernels import gemv, gemv_w4, gemv_w4_tuning
+    from pagedbackend.kernels.gemv_tuning import _time_us
+    from pagedbackend.layers.activation import silu_and_mul
+    from pagedbackend.layers.norm import fused_add_rms_norm
+    from pagedbackend.layers.quant_grouped import PackedWeight
+    inter = HIDDEN * 7 // 2
+    shapes = (("qkv", HIDDEN * 3 // 2, HIDDEN, gemv.ADD_NORM), ("o", HIDDEN, HIDDEN, gemv.PLAIN),
+              ("gate_up", 2 * inter, HIDDEN, gemv.ADD_NORM), ("down", HIDDEN, inter, gemv.SILU_MUL))
+    for name, n, k, kind in shapes:
+        g = k // 128
+        pw = PackedWeight(4, 128, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8,
+                                                device=DEVICE),
+                          (torch.rand(g, n, device=DEVICE) * 0.02).half(),
+                          torch.randint(0, 16, (g, n), dtype=torch.uint8, device=DEVICE), None, None)
+        nbytes = n * k // 2 + g * n * 3
+        x = torch.randn(1, 2 * k if kind == gemv.SILU_MUL else k, device=DEVICE, dtype=DT)
+        r, gn = torch.randn(1, k, device=DEVICE, dtype=DT), torch.ones(k, device=DEVICE, dtype=DT)
+        extra = (r, gn, 1e-5) if kind == gemv.ADD_NORM else (None, None, 0.0)
+        xp = x[:, :k]
+        tbs = lambda t_us: f"{nbytes / (t_us * 1e-6) / 1e12:5.2f} TB/s"    # noqa: E731
+        for cfg in gemv_w4.CANDIDATES + gemv_w4.ONE_ROW_CANDIDATES:
+            for fused in (False, True) if kind != gemv.PLAIN else (False,):
+                def run(words, cfg=cfg, fused=fused):
+                    gemv_w4.WORDS_ONE_ROW = words
+                    if fused:
+                        return gemv_w4.packed_gemv(x, pw, None, cfg, kind, *extra)
+                    return gemv_w4.packed_gemv(xp, pw, None, cfg)
+                try:
+                    tw, tb = _time_us(lambda: run(True)), _time_us(lambda: run(False))
+                except Exception as e:      # noqa: BLE001
+                    print(f"w4 {name} {cfg}: failed: {type(e).__name__}: {e}"[:300])
+                    continue
+                row(f"w4 {name}{'+prologue' if fused else ''} {cfg}", tw / 1e3, tb / 1e3, tbs(tw))
+        gemv_w4.WORDS_ONE_ROW = True
+        w16 = pw.dequantize(DT)
+        t16 = _time_us(lambda: torch.nn.functional.linear(xp, w16))
+        tdq = _time_us(lambda: torch.nn.functional.linear(xp, pw.dequantize(DT)))
+        tp = _time_us(lambda: gemv_w4_tuning.packed_linear(xp, pw, None))
+        row(f"w4 {name} tuned vs bf16 cuBLAS", tp / 1e3, t16 / 1e3, tbs(tp))
+        row(f"w4 {name} tuned vs dequantize+cuBLAS", tp / 1e3, tdq / 1e3, tbs(tp))
+        if kind == gemv.ADD_NORM:
+            sep = lambda: gemv_w4_tuning.packed_linear(fused_add_rms_norm(xp, r, gn, 1e-5)[0], pw,   # noqa
+                                                       None)
+            fus = lambda: gemv_w4_tuning.maybe_packed_norm_linear(xp, r, gn, 1e-5, pw, None)  # noqa
+        elif kind == gemv.SILU_MUL:
+            sep = lambda: gemv_w4_tuning.packed_linear(silu_and_mul(x), pw, None)  # noqa: E731
+            fus = lambda: gemv_w4_tuning.maybe_packed_silu_linear(x, pw)   # noqa: E731
+        else:
+            continue
+        chosen = fus() is not None
+        tf = _time_us(fus) if chosen else float("nan")
+        row(f"w4 {name} prologue: fused {'chosen' if chosen else 'not chosen'} vs separate",
+            tf / 1e3, _time_us(sep) / 1e3, tbs(tf) if chosen else "")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also try a few tile configs")
     ap.add_argument("--only", default="",
                     help="comma-separated parts to run: decode, mixedlen, fp8, fp8in, prefill, "
-                         "mixed, elementwise (default: all)")
+                         "mixed, elementwise, w4 (default: all)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "kernels_bench needs a CUDA GPU"
     torch.manual_seed(0)
@@ -281,7 +343,7 @@ def main():
     parts = {"decode": lambda: bench_decode(args.sweep), "mixedlen": bench_decode_mixed_lengths,
              "fp8": bench_decode_fp8, "fp8in": bench_fp8_inputs,
              "prefill": lambda: bench_prefill(args.sweep), "mixed": bench_mixed,
-             "elementwise": bench_elementwise}
+             "elementwise": bench_elementwise, "w4": bench_w4}
     for name in (args.only.split(",") if args.only else parts):
         parts[name]()
     print("\n| kernel | triton us | torch us | speed-up | |\n|---|---:|---:|---:|---|")

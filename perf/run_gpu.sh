@@ -104,6 +104,10 @@ for s in $stages; do
     # bf16, AWQ, GPTQ and INT8 dummy weights in one process (W1-llama-3.1-8b-awq-h200.json, ...);
     # W2 128/128 bf16 then AWQ
     quantkernels) run quantkernels 150 python3 -m pytest -q tests/test_quant_kernels.py ;;
+    # the one-row W4A16 tiles reading int32 words against byte tiles, plain and with their
+    # prologues, and the tuner's choices against dequantize + cuBLAS and bf16 cuBLAS
+    w4bench) run w4bench 240 python3 perf/kernels_bench.py --only w4 ;;
+    w1awq) run w1awq 300 python3 perf/w1_decode.py --ab awq ;;
     w1quant) run w1quant 540 python3 perf/w1_decode.py --ab awq,gptq,int8 ;;
     w2awq) run w2awq 480 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
     # greedy output on AWQ / GPTQ (act order) checkpoints of the tiny models vs transformers on
@@ -129,6 +133,9 @@ for s in $stages; do
     # ceiling on a repeating prompt, drafts all rejected (overhead, k = 5 and 1), batch 1-64,
     # a draft model = the target; ~4-5 min
     specdecode) run specdecode 540 python3 perf/spec_decode.py ;;
+    # the batch-1 cases in fp32: do greedy outputs with and without speculation agree when
+    # bf16 rounding is out of the way (call 50: they differed in bf16 on random weights)
+    specfp32) run specfp32 300 python3 perf/spec_decode.py --dtype float32 --quick --skip-draft ;;
     # cuBLAS at the narrow steps of W4 (~30-40 rows) and W5's tail: how near HBM bandwidth
     gemmsmall) run gemmsmall 150 python3 perf/gemm_bench.py --triton --rows 1,2,4,8,16,24,32,48,64,96,128 ;;
     # issue 8, on a kind with >= 2 GPUs: TP=2 == TP=1 greedy (4 archs), W1/W2 at TP=1 and TP=2

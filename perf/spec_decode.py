@@ -67,12 +67,16 @@ def row(name, batch, base, spec, st, k):
     (b_out, b_secs), (s_out, s_secs) = base, spec
     tokens = sum(len(o.outputs[0].token_ids) for o in s_out)
     same = [o.outputs[0].token_ids for o in b_out] == [o.outputs[0].token_ids for o in s_out]
+    # where the first sequence's outputs part (None: they do not)
+    first = next((i for i, (x, y) in enumerate(zip(b_out[0].outputs[0].token_ids,
+                                                     s_out[0].outputs[0].token_ids)) if x != y),
+                 None)
     return {"case": name, "batch": batch, "k": k, "tokens": tokens,
             "base_tok_s": tokens / b_secs, "spec_tok_s": tokens / s_secs,
             "speedup": b_secs / s_secs,
             "acceptance": st.acceptance_rate if st else None,
             "tokens_per_verify": (1 + st.num_accepted_tokens / st.num_drafts)
-            if st and st.num_drafts else None, "same_output": same}
+            if st and st.num_drafts else None, "same_output": same, "first_difference": first}
 
 
 def repeating(llm, prompts, max_tokens, drafter):
@@ -88,7 +92,7 @@ def gpu(a):
     from pagedbackend.spec_decode.ngram import NgramProposer
     model_dir = a.model if os.path.isdir(a.model) else dummy_model_dir(a.model)
     kw = dict(load_format="dummy", max_model_len=4096, num_kv_blocks=a.num_kv_blocks,
-              max_num_seqs=64)
+              max_num_seqs=64, dtype=a.dtype)
     k = 5
     llm = LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                              "prompt_lookup_min": 1, "prompt_lookup_max": 4},
@@ -116,6 +120,8 @@ def gpu(a):
     s = generate(llm, rep[:1], a.output_len, True, ngram)
     rows.append(row("no-drafts", 1, b[:2], s[:2], s[2], k))
     ngram.proposer = NgramProposer(1, 4)
+    if a.quick:
+        return rows
     # batch sizes: where n-gram speculation stops paying
     for batch in (1, 4, 16, 64):
         b = generate(llm, rep[:batch], a.output_len, False, ngram)
@@ -169,10 +175,16 @@ def main():
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-kv-blocks", type=int, default=4096)
     ap.add_argument("--skip-draft", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="GPU: the engine's dtype (float32: whether greedy outputs with and "
+                         "without speculation part only by bf16 rounding)")
+    ap.add_argument("--quick", action="store_true",
+                    help="GPU: only batch 1 (ceiling, reject-all, no-drafts)")
     a = ap.parse_args()
     t0 = time.time()
     rows = cpu(a) if a.cpu else gpu(a)
-    name = "smollm2-135m-instruct" if a.cpu else os.path.basename(a.model.rstrip("/"))
+    name = "smollm2-135m-instruct" if a.cpu else os.path.basename(a.model.rstrip("/")) + (
+        "" if a.dtype == "bfloat16" else f"-{a.dtype}")
     write_result("spec_decode", name, {"rows": rows, "seconds": time.time() - t0})
     print_table(rows, f"speculative decoding, {name}")
 

@@ -82,7 +82,8 @@ def test_packed_linear_tunes_and_agrees_at_every_width():
     w = torch_dequantize(pw)
     for m in (1, 2, 8, 64):
         x = torch.randn(m, 4096, device=DEV).bfloat16()
-        y = gemv_w4.packed_linear(x, pw, None)
+        y = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning").packed_linear(
+            x, pw, None)
         assert rel_err(y, x.float() @ w.t()) < 1e-2, m
 
 
@@ -138,3 +139,26 @@ def test_packed_gemv_prologues(cfg):
         gate_up = torch.randn(m, 2 * k, device=DEV).bfloat16()
         y = gemv_w4.packed_gemv(gate_up, pw, None, cfg, SILU_MUL)
         assert rel_err(y, activation.silu_and_mul_torch(gate_up).float() @ w.t()) < 2e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="the choice is timed on the device")
+def test_tuned_prologue_choice_gives_the_separate_ops_result():
+    """Whether the tuner put the norm / SiLU * up inside the W4A16 kernel or left it to its own
+    kernel (None: the caller runs it), the layer's result is the separate ops' one."""
+    from pagedbackend.layers import activation, norm
+    tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
+    pw = packed_weight(4096, 4096, 4, 128)
+    w = torch_dequantize(pw)
+    for m in (1, 4):
+        x, r = (torch.randn(m, 4096, device=DEV).bfloat16() for _ in range(2))
+        g = (1 + 0.5 * torch.randn(4096, device=DEV)).bfloat16()
+        out = tuning.maybe_packed_norm_linear(x, r, g, 1e-5, pw, None)
+        h, res = norm.fused_add_rms_norm_torch(x, r, g, 1e-5)
+        if out is not None:
+            assert rel_err(out[0], h.float() @ w.t()) < 2e-2 and torch.equal(out[1], res)
+        gate_up = torch.randn(m, 2 * 4096, device=DEV).bfloat16()
+        y = tuning.maybe_packed_silu_linear(gate_up, pw)
+        if y is not None:
+            assert rel_err(y, activation.silu_and_mul_torch(gate_up).float() @ w.t()) < 2e-2
+        key = tuning._key(x, pw, tuning.ADD_NORM)
+        assert key in tuning._CHOICE and tuning._key(x, pw, tuning.PLAIN) in tuning._CHOICE

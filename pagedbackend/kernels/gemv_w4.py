@@ -6,9 +6,10 @@ Decode steps of 1-8 rows: a skinny W4A16 (or W8A16) matmul. Each program owns BL
 rows over the whole K and reads each weight byte once: a piece of a row's codes lies inside
 one group (an iteration takes several pieces), so its scale and zero are one load per row, the
 codes are unpacked and dequantized in registers ((q - z) * s in fp32, exact) and multiplied
-by the 16-bit input, broadcast products at one row, tensor-core dots (input tile padded to 16
-rows) at more. The tile is timed on the device per shape at first use (the GEMV tuner's
-timer), as gemv_tuning does for the 16-bit kernel. Like that kernel it takes the prologue of
+by the 16-bit input: broadcast products at one row (there the codes are read as int32 words
+and widened with integer ops, _words_piece), tensor-core dots (input tile padded to 16 rows) at
+more. The tile, and whether the prologue below runs inside it, are timed on the device per
+shape at first use (gemv_w4_tuning.py), as gemv_tuning does for the 16-bit kernel. Like that kernel it takes the prologue of
 the op before it (RMSNorm, residual add + RMSNorm, SiLU * up), is launched with programmatic
 dependent launch, and its first programs prefetch their codes into L2 before waiting.
 Wider steps run either the same kernel as a tiled GEMM (row tiles of 64-128, the dequantized
@@ -19,18 +20,15 @@ per weight) is a small part of it.
 """
 from __future__ import annotations
 
-import logging
+import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from pagedbackend.kernels.common import (dot_precision, l2_prefetch, mma, pdl_launch,
                                          pdl_trigger, pdl_wait, prefetch_programs)
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL, _input_tile
-
-logger = logging.getLogger("pagedbackend")
 
 MAX_ROWS = 8
 # (BLOCK_N, BLOCK_K, num_warps, num_stages[, dot[, BLOCK_M]]); BLOCK_K spans whole groups
@@ -39,13 +37,19 @@ MAX_ROWS = 8
 CANDIDATES = ((16, 1024, 4, 3), (8, 1024, 4, 4), (32, 512, 4, 4), (16, 512, 4, 4),
               (64, 128, 4, 4), (32, 256, 4, 3), (8, 2048, 4, 3), (64, 256, 8, 3))
 DOT_CANDIDATES = ((32, 512, 4, 3, True), (64, 128, 4, 4, True), (16, 512, 4, 4, True))
+# more one-row tiles for the int32-word path (_words_piece): more output rows or more bytes in
+# flight a program (its registers hold a word, not an fp32 product, per eight 4-bit weights)
+ONE_ROW_CANDIDATES = ((32, 1024, 4, 3), (16, 2048, 4, 2), (64, 512, 8, 3), (8, 4096, 4, 2),
+                      (32, 2048, 8, 2))
 # wider steps: the same kernel as a tiled GEMM (a grid over row tiles of BLOCK_M), timed per
 # rows bucket against dequantize + cuBLAS
 GEMM_CANDIDATES = ((128, 64, 8, 3, True, 128), (128, 64, 4, 4, True, 64),
                    (64, 128, 4, 4, True, 64), (128, 128, 8, 3, True, 64))
 MAX_GEMM_ROWS = 16384
-# (device, rows bucket, N, K, dtype, bits, group) -> the tile, or None: dequantize + cuBLAS
-_CHOICE: dict[tuple, tuple | None] = {}
+# one-row FMA tiles read the codes as int32 words and widen them with integer ops
+# (_words_piece); PAGEDBACKEND_W4_WORDS=0 keeps the byte tiles (perf/kernels_bench.py --only w4
+# times both)
+WORDS_ONE_ROW = os.environ.get("PAGEDBACKEND_W4_WORDS", "1") != "0"
 
 
 @triton.jit
@@ -66,12 +70,39 @@ def _codes_tile(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP: tl.constexpr, BITS:
     return (codes.to(tl.int32) - z[:, None]).to(tl.float32) * s[:, None]
 
 
+# fp32 2^23: a code c OR-ed into its low mantissa bits reads as 2^23 + c, exactly
+MAGIC = tl.constexpr(8388608.0)
+MAGIC_BITS = tl.constexpr(0x4B000000)
+
+
 @triton.jit
-def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps,
-                        M, N, K, stride_xm, stride_ym, stride_rm, stride_rom,
+def _words_piece(x, qw_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP: tl.constexpr,
+                 BITS: tl.constexpr, BLOCK_N: tl.constexpr, SUB_K: tl.constexpr):
+    """One row's products over columns kk.. (one group) as [BLOCK_N, SUB_K / codes a word]
+    sums: the codes are read as int32 words and each becomes fp32 without a conversion
+    instruction (shift, mask | 2^23's exponent, minus 2^23 + zero: exact), multiplied by the
+    input in the same [words, codes a word] arrangement, the scale applied once per word."""
+    PER: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = SUB_K // PER
+    kw = kk // PER + tl.arange(0, WORDS)
+    wd = tl.load(qw_rows + kw[None, :], mask=n_ok[:, None], other=0,
+                 eviction_policy="evict_first")
+    g = kk // GROUP
+    s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
+    mz = tl.load(z_ptr + g * N + n, mask=n_ok, other=0).to(tl.float32) + MAGIC
+    shift = (tl.arange(0, PER) * BITS)[None, None, :]
+    bits = ((wd[:, :, None] >> shift) & ((1 << BITS) - 1)) | MAGIC_BITS
+    q = bits.to(tl.float32, bitcast=True) - mz[:, None, None]         # [BLOCK_N, WORDS, PER]
+    x3 = tl.reshape(x.to(tl.float32), (1, WORDS, PER))
+    return tl.sum(q * x3, axis=2) * s[:, None]
+
+
+@triton.jit
+def _packed_gemv_kernel(x_ptr, q_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr,
+                        g_ptr, eps, M, N, K, stride_xm, stride_ym, stride_rm, stride_rom,
                         GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-                        HAS_BIAS: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, WORD_TILES: tl.constexpr,
                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr,
                         prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
@@ -94,8 +125,12 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         if pid < prefetch_programs:
             l2_prefetch(q_ptr + pid * BLOCK_N * (K * BITS // 8), BLOCK_N * (K * BITS // 8))
     pdl_wait(USE_PDL)
+    PER: tl.constexpr = 32 // BITS
     if USE_DOT:
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif WORD_TILES:
+        accw = tl.zeros([BLOCK_N, SUB_K // PER], dtype=tl.float32)
+        qw_rows = qw_ptr + n.to(tl.int64)[:, None] * (K // PER)
     elif BLOCK_M == 1:
         acc1 = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
     else:
@@ -105,7 +140,6 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
     for k0 in range(0, K, BLOCK_K):
         for i in tl.static_range(BLOCK_K // SUB_K):
             kk = k0 + i * SUB_K
-            w = _codes_tile(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N, SUB_K)
             k = kk + tl.arange(0, SUB_K)
             if PROLOGUE == 0:
                 x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
@@ -114,15 +148,23 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                                     True, PROLOGUE)
                 if PROLOGUE == 1 or PROLOGUE == 2:
                     ss += sq
-            if USE_DOT:
-                xd = x.to(y_ptr.dtype.element_ty)
-                acc2 += mma(xd, tl.trans(w.to(xd.dtype)), PRECISION)
-            elif BLOCK_M == 1:
-                acc1 += x.to(tl.float32) * w
+            if WORD_TILES:
+                accw += _words_piece(x, qw_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS,
+                                     BLOCK_N, SUB_K)
             else:
-                acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
+                w = _codes_tile(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N,
+                                SUB_K)
+                if USE_DOT:
+                    xd = x.to(y_ptr.dtype.element_ty)
+                    acc2 += mma(xd, tl.trans(w.to(xd.dtype)), PRECISION)
+                elif BLOCK_M == 1:
+                    acc1 += x.to(tl.float32) * w
+                else:
+                    acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
     if USE_DOT:
         y = acc2
+    elif WORD_TILES:
+        y = tl.sum(accw, axis=1)[None, :]
     elif BLOCK_M == 1:
         y = tl.sum(acc1, axis=1)[None, :]
     else:
@@ -206,97 +248,15 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     row_tiles = triton.cdiv(m, block_m)
     pf = prefetch_programs(pw.qweight, block_n * pw.qweight.shape[1], prologue == PLAIN) \
         if n % block_n == 0 and row_tiles == 1 else 0
+    words = WORDS_ONE_ROW and block_m == 1 and not use_dot and k % 8 == 0
     _packed_gemv_kernel[(triton.cdiv(n, block_n), row_tiles)](
-        x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, r, r_out,
+        x, pw.qweight, pw.qweight.view(torch.int32) if words else pw.qweight, pw.scales,
+        pw.zeros, bias if bias is not None else y, y, r, r_out,
         norm_weight if norm_weight is not None else y, eps, m, n, k,
         x.stride(0), y.stride(0), r.stride(0), r_out.stride(0), GROUP=pw.group_size,
         BITS=pw.bits, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, USE_DOT=use_dot,
+        BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, WORD_TILES=words,
+        USE_DOT=use_dot,
         PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
         PREFETCH=pf > 0, num_warps=warps, num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
-
-
-def packed_linear(x: torch.Tensor, pw, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ W.T (+ bias) on the GPU: the skinny kernel for 1-8 rows, the tiled GEMM or
-    dequantize + cuBLAS above, whichever was timed faster for the rows bucket (dequantize +
-    cuBLAS always for uneven groups: act order's row-parallel shards)."""
-    if pw.g_idx is not None or x.shape[0] > MAX_GEMM_ROWS or x.shape[0] == 0:
-        return F.linear(x, pw.dequantize(x.dtype), bias)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    cfg = _config(x, pw, bias)
-    if cfg is None:
-        return F.linear(x, pw.dequantize(x.dtype), bias)
-    return packed_gemv(x, pw, bias, cfg)
-
-
-def _config(x: torch.Tensor, pw, bias) -> tuple | None:
-    """The tile timed fastest for x's rows bucket (tuned at first sight, outside CUDA-graph
-    capture: the graphs' eager warm-up), or None for dequantize + cuBLAS."""
-    key = (x.device.index, triton.next_power_of_2(x.shape[0]), *pw.shape, x.dtype, pw.bits,
-           pw.group_size)
-    if key not in _CHOICE:
-        if torch.cuda.is_current_stream_capturing():
-            return CANDIDATES[0] if x.shape[0] <= MAX_ROWS else GEMM_CANDIDATES[0]
-        _CHOICE[key] = _tune(x, pw, bias)
-    return _CHOICE[key]
-
-
-def maybe_packed_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
-                             norm_weight: torch.Tensor, eps: float, pw, bias):
-    """(rms_norm(x [+ residual]) @ W.T + b, the new residual) in one kernel for a decode step
-    of 1-8 rows on a PackedWeight without act order, with the tile chosen for the plain
-    matmul; else None (the caller runs the norm, then the layer)."""
-    if not _fusable(x, pw) or norm_weight.dtype != x.dtype or residual is not None and (
-            residual.dtype != x.dtype or residual.stride(1) != 1):
-        return None
-    cfg = _config(x, pw, bias)
-    if cfg is None:
-        return None
-    if residual is None:
-        return packed_gemv(x, pw, bias, cfg, NORM, None, norm_weight, eps), x
-    return packed_gemv(x, pw, bias, cfg, ADD_NORM, residual, norm_weight, eps)
-
-
-def maybe_packed_silu_linear(gate_up: torch.Tensor, pw) -> torch.Tensor | None:
-    """(silu(gate) * up) @ W.T over gate_up = gate | up in one kernel (as above), else None."""
-    if not _fusable(gate_up, pw) or gate_up.shape[1] != 2 * pw.shape[1]:
-        return None
-    cfg = _config(gate_up[:, :pw.shape[1]], pw, None)
-    return None if cfg is None else packed_gemv(gate_up, pw, None, cfg, SILU_MUL)
-
-
-def _fusable(x: torch.Tensor, pw) -> bool:
-    return pw.g_idx is None and pw.perm is None and x.dim() == 2 \
-        and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1
-
-
-def _tune(x: torch.Tensor, pw, bias) -> tuple | None:
-    """The fastest tile that agrees with dequantize + matmul and beats it, timed as
-    gemv_tuning times; None: dequantize + cuBLAS."""
-    from pagedbackend.kernels.gemv_tuning import _pattern, _time_us
-    rows = triton.next_power_of_2(x.shape[0])
-    xs = _pattern(rows, pw.shape[1], 0.0, x.dtype, x.device)
-    ref = F.linear(xs, pw.dequantize(x.dtype), bias).float()
-    base = _time_us(lambda: F.linear(xs, pw.dequantize(x.dtype), bias))
-    best, best_us = None, base
-    # broadcast products of several rows hold rows x BLOCK_N x piece fp32 partial sums: only
-    # tiles that keep them to <= 64 registers a thread
-    fma = tuple(c for c in CANDIDATES
-                if rows == 1 or rows * c[0] * _block_k(c[1], pw.group_size) <= 64 * 32 * c[2])
-    tiles = GEMM_CANDIDATES if rows > MAX_ROWS \
-        else fma + (DOT_CANDIDATES if rows > 1 else ())
-    for cfg in tiles:
-        try:
-            ok = torch.allclose(packed_gemv(xs, pw, bias, cfg).float(), ref, rtol=2e-2, atol=2e-2)
-            us = _time_us(lambda cfg=cfg: packed_gemv(xs, pw, bias, cfg)) if ok else float("inf")
-        except Exception as e:      # noqa: BLE001
-            logger.warning("W%dA16 GEMV %s at %dx%dx%d failed: %s", pw.bits, cfg, rows,
-                           *pw.shape, e)
-            continue
-        if us < best_us:
-            best, best_us = cfg, us
-    logger.info("W%dA16 matmul rows<=%d N=%d K=%d group %d: dequantize + cuBLAS %.1f us, %s",
-                pw.bits, rows, *pw.shape, pw.group_size, base,
-                f"triton {best} {best_us:.1f} us (chosen)" if best else "kept")
-    return best

@@ -67,7 +67,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
     FP8 GEMM's quantized input (layers/fp8_inputs.py)."""
     if x.is_cuda and USE_KERNELS:
         if proj.quant is not None:
-            from pagedbackend.kernels.gemv_w4 import maybe_packed_norm_linear
+            from pagedbackend.kernels.gemv_w4_tuning import maybe_packed_norm_linear
             out = maybe_packed_norm_linear(x, residual, norm.weight, norm.eps, proj.quant,
                                            proj.bias)
         else:
@@ -161,7 +161,7 @@ class RowParallelLinear(nn.Module):
         it writes the FP8 GEMM's quantized input."""
         if gate_up.is_cuda and USE_KERNELS:
             if self.quant is not None:
-                from pagedbackend.kernels.gemv_w4 import maybe_packed_silu_linear
+                from pagedbackend.kernels.gemv_w4_tuning import maybe_packed_silu_linear
                 y = maybe_packed_silu_linear(gate_up, self.quant)
             else:
                 from pagedbackend.kernels.gemv_tuning import maybe_skinny_silu_linear

@@ -76,7 +76,7 @@ class PackedWeight:
         if self.perm is not None:
             x2 = x2[:, self.perm]
         if x.is_cuda:
-            from pagedbackend.kernels.gemv_w4 import packed_linear
+            from pagedbackend.kernels.gemv_w4_tuning import packed_linear
             y = packed_linear(x2, self, bias)
         else:
             # the CPU path serves tests and development: the dequantized weight is kept after

@@ -1,0 +1,170 @@
+"""Which kernel runs an AWQ / GPTQ layer's matmul on the GPU (gemv_w4.py's tiles, or dequantize
++ cuBLAS), per (rows bucket, N, K, dtype, bits, group, prologue), timed on the device the first
+time a shape is seen outside CUDA-graph capture, with gemv_tuning's timer (inside a CUDA graph,
+L2 flushed).
+
+The plain matmul tries every tile against dequantize + cuBLAS. A prologue (RMSNorm, residual
+add + RMSNorm, SiLU * up) then runs inside the kernel only where that was timed faster than the
+separate norm / activation kernel followed by the plain choice: each program recomputes the
+prologue over the whole input row, and at 4 bits a row's input is four times the bytes of the
+weight codes it multiplies, so the fused form does not pay everywhere it pays for 16-bit
+weights. Only the plain matmul's fastest tiles are tried in fused form (each prologue is a
+separate compilation of every tile it tries).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL
+from pagedbackend.kernels.gemv_w4 import (CANDIDATES, DOT_CANDIDATES, GEMM_CANDIDATES,
+                                          MAX_GEMM_ROWS, MAX_ROWS, ONE_ROW_CANDIDATES,
+                                          _block_k, packed_gemv)
+
+logger = logging.getLogger("pagedbackend")
+
+FUSED_TRIES = 3     # the plain matmul's fastest tiles tried with a prologue inside
+# (device, rows bucket, N, K, dtype, bits, group, prologue) -> the tile, or None: dequantize +
+# cuBLAS (PLAIN) / the separate prologue kernel, then the plain choice (the others)
+_CHOICE: dict[tuple, tuple | None] = {}
+_RANKED: dict[tuple, list[tuple]] = {}      # the plain key -> tiles, fastest first
+
+
+def packed_linear(x: torch.Tensor, pw, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias) on the GPU: the skinny kernel for 1-8 rows, the tiled GEMM or
+    dequantize + cuBLAS above, whichever was timed faster for the rows bucket (dequantize +
+    cuBLAS always for uneven groups: act order's row-parallel shards)."""
+    if pw.g_idx is not None or x.shape[0] > MAX_GEMM_ROWS or x.shape[0] == 0:
+        return F.linear(x, pw.dequantize(x.dtype), bias)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    cfg = _config(x, pw, bias, PLAIN)
+    if cfg is None:
+        return F.linear(x, pw.dequantize(x.dtype), bias)
+    return packed_gemv(x, pw, bias, cfg)
+
+
+def maybe_packed_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
+                             norm_weight: torch.Tensor, eps: float, pw, bias):
+    """(rms_norm(x [+ residual]) @ W.T + b, the new residual) in one kernel for a decode step
+    of 1-8 rows on a PackedWeight without act order, where that was timed faster than the
+    norm kernel and then the matmul; else None (the caller runs the norm, then the layer)."""
+    if not _fusable(x, pw) or norm_weight.dtype != x.dtype or residual is not None and (
+            residual.dtype != x.dtype or residual.stride(1) != 1):
+        return None
+    cfg = _config(x, pw, bias, NORM if residual is None else ADD_NORM)
+    if cfg is None:
+        return None
+    if residual is None:
+        return packed_gemv(x, pw, bias, cfg, NORM, None, norm_weight, eps), x
+    return packed_gemv(x, pw, bias, cfg, ADD_NORM, residual, norm_weight, eps)
+
+
+def maybe_packed_silu_linear(gate_up: torch.Tensor, pw) -> torch.Tensor | None:
+    """(silu(gate) * up) @ W.T over gate_up = gate | up in one kernel (as above), else None."""
+    if not _fusable(gate_up, pw) or gate_up.shape[1] != 2 * pw.shape[1]:
+        return None
+    cfg = _config(gate_up[:, :pw.shape[1]], pw, None, SILU_MUL)
+    return None if cfg is None else packed_gemv(gate_up, pw, None, cfg, SILU_MUL)
+
+
+def _fusable(x: torch.Tensor, pw) -> bool:
+    return pw.g_idx is None and pw.perm is None and x.dim() == 2 \
+        and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1
+
+
+def _key(x: torch.Tensor, pw, prologue: int) -> tuple:
+    return (x.device.index, triton.next_power_of_2(x.shape[0]), *pw.shape, x.dtype, pw.bits,
+            pw.group_size, prologue)
+
+
+def _config(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
+    """The tile chosen for x's rows bucket (tuned at first sight, outside CUDA-graph capture:
+    the graphs' eager warm-up), or None (see _CHOICE)."""
+    key = _key(x, pw, prologue)
+    if key not in _CHOICE:
+        if torch.cuda.is_current_stream_capturing():
+            if prologue != PLAIN:
+                return None
+            return CANDIDATES[0] if x.shape[0] <= MAX_ROWS else GEMM_CANDIDATES[0]
+        plain = _key(x, pw, PLAIN)
+        if plain not in _CHOICE:
+            _CHOICE[plain] = _tune(x, pw, bias, PLAIN)
+        if prologue != PLAIN:
+            _CHOICE[key] = _tune(x, pw, bias, prologue)
+    return _CHOICE[key]
+
+
+def _tiles(rows: int, pw) -> tuple:
+    # broadcast products of several rows hold rows x BLOCK_N x piece fp32 partial sums: only
+    # tiles that keep them to <= 64 registers a thread
+    if rows > MAX_ROWS:
+        return GEMM_CANDIDATES
+    if rows == 1:
+        return CANDIDATES + ONE_ROW_CANDIDATES
+    return tuple(c for c in CANDIDATES
+                 if rows * c[0] * _block_k(c[1], pw.group_size) <= 64 * 32 * c[2]) \
+        + DOT_CANDIDATES
+
+
+def _tune(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
+    """The fastest tile that agrees with what it replaces and beats it (dequantize + cuBLAS;
+    with a prologue, the separate kernel and the plain choice), timed as gemv_tuning times."""
+    from pagedbackend.kernels.gemv_tuning import _pattern, _time_us
+    from pagedbackend.layers.activation import silu_and_mul
+    from pagedbackend.layers.norm import fused_add_rms_norm, rms_norm
+    rows = triton.next_power_of_2(x.shape[0])
+    n, k = pw.shape
+    dt, dev = x.dtype, x.device
+    xs = _pattern(rows, k, 0.0, dt, dev)
+    rs, g = _pattern(rows, k, 1.0, dt, dev), _pattern(1, k, 2.0, dt, dev).view(k).add_(1)
+    gu = _pattern(rows, 2 * k, 1.0, dt, dev)
+    plain = _CHOICE.get(_key(x, pw, PLAIN))
+
+    def matmul(a):
+        if plain is None:
+            return F.linear(a, pw.dequantize(dt), bias)
+        return packed_gemv(a, pw, bias, plain)
+
+    if prologue == PLAIN:
+        what, baseline = "plain", lambda: F.linear(xs, pw.dequantize(dt), bias)
+        kernel = lambda cfg: packed_gemv(xs, pw, bias, cfg)        # noqa: E731
+        tiles = _tiles(rows, pw)
+    else:
+        tiles = _RANKED.get(_key(x, pw, PLAIN), [])[:FUSED_TRIES]
+        if prologue == SILU_MUL:
+            what, baseline = "silu_mul+", lambda: matmul(silu_and_mul(gu))
+            kernel = lambda cfg: packed_gemv(gu, pw, None, cfg, SILU_MUL)       # noqa: E731
+        elif prologue == NORM:
+            what, baseline = "rms_norm+", lambda: matmul(rms_norm(xs, g, 1e-6))
+            kernel = lambda cfg: packed_gemv(xs, pw, bias, cfg, NORM, None, g, 1e-6)  # noqa
+        else:
+            what, baseline = "add_rms_norm+", lambda: matmul(fused_add_rms_norm(xs, rs, g,
+                                                                                 1e-6)[0])
+            kernel = lambda cfg: packed_gemv(xs, pw, bias, cfg, ADD_NORM, rs, g, 1e-6)[0]  # noqa
+    ref = baseline().float()
+    base = _time_us(baseline)
+    timed = []
+    for cfg in tiles:
+        try:
+            # the fused norm skips one bf16 rounding, hence the tolerance
+            ok = torch.allclose(kernel(cfg).float(), ref, rtol=2e-2, atol=2e-2)
+            us = _time_us(lambda cfg=cfg: kernel(cfg)) if ok else float("inf")
+        except Exception as e:      # noqa: BLE001
+            logger.warning("W%dA16 %s %s at %dx%dx%d failed: %s", pw.bits, what, cfg, rows,
+                           n, k, e)
+            continue
+        timed.append((us, cfg))
+    timed.sort(key=lambda t: t[0])
+    if prologue == PLAIN:
+        _RANKED[_key(x, pw, PLAIN)] = [cfg for us, cfg in timed if us < float("inf")]
+    best, best_us = None, base
+    if timed and timed[0][0] < base:
+        best_us, best = timed[0]
+    logger.info("W%dA16 %s rows<=%d N=%d K=%d group %d: %s %.1f us, %s", pw.bits, what, rows,
+                n, k, pw.group_size, "dequantize + cuBLAS" if prologue == PLAIN
+                else "separate kernel + the plain choice", base,
+                f"triton {best} {best_us:.1f} us (chosen)" if best else "kept")
+    return best
