@@ -270,10 +270,10 @@ def bench_fp8_inputs():
 def bench_w4():
     """AWQ / GPTQ at one row (W1's decode step), llama-3.1-8b's four matmuls with 4-bit codes in
     groups of 128: each one-row tile reading its codes as int32 words ("triton") against the
-    same tile reading bytes ("torch" column), plain and with its prologue inside; then the
-    tuner's choices against dequantize + cuBLAS and against bf16 cuBLAS on a 16-bit weight of
-    the same shape. Graph-timed with the L2 flushed, as the tuner times. TB/s: the codes',
-    scales' and zeros' bytes."""
+    same tile reading bytes ("torch" column); then the tuner's choices (the prologue inside the
+    kernel or in its own kernel first) against dequantize + cuBLAS and against bf16 cuBLAS on
+    a 16-bit weight of the same shape. Graph-timed with the L2 flushed, as the tuner times.
+    TB/s: the codes', scales' and zeros' bytes."""
     from pagedbackend.kernels import gemv, gemv_w4, gemv_w4_tuning
     from pagedbackend.kernels.gemv_tuning import _time_us
     from pagedbackend.layers.activation import silu_and_mul
@@ -282,6 +282,7 @@ def bench_w4():
     inter = HIDDEN * 7 // 2
     shapes = (("qkv", HIDDEN * 3 // 2, HIDDEN, gemv.ADD_NORM), ("o", HIDDEN, HIDDEN, gemv.PLAIN),
               ("gate_up", 2 * inter, HIDDEN, gemv.ADD_NORM), ("down", HIDDEN, inter, gemv.SILU_MUL))
+    lin = torch.nn.functional.linear
     for name, n, k, kind in shapes:
         g = k // 128
         pw = PackedWeight(4, 128, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8,
@@ -291,43 +292,35 @@ def bench_w4():
         nbytes = n * k // 2 + g * n * 3
         x = torch.randn(1, 2 * k if kind == gemv.SILU_MUL else k, device=DEVICE, dtype=DT)
         r, gn = torch.randn(1, k, device=DEVICE, dtype=DT), torch.ones(k, device=DEVICE, dtype=DT)
-        extra = (r, gn, 1e-5) if kind == gemv.ADD_NORM else (None, None, 0.0)
-        xp = x[:, :k]
+        xp = x[:, :k].contiguous()
         tbs = lambda t_us: f"{nbytes / (t_us * 1e-6) / 1e12:5.2f} TB/s"    # noqa: E731
-        for cfg in gemv_w4.CANDIDATES + gemv_w4.ONE_ROW_CANDIDATES:
-            for fused in (False, True) if kind != gemv.PLAIN else (False,):
-                def run(words, cfg=cfg, fused=fused):
-                    gemv_w4.WORDS_ONE_ROW = words
-                    if fused:
-                        return gemv_w4.packed_gemv(x, pw, None, cfg, kind, *extra)
-                    return gemv_w4.packed_gemv(xp, pw, None, cfg)
-                try:
-                    tw, tb = _time_us(lambda: run(True)), _time_us(lambda: run(False))
-                except Exception as e:      # noqa: BLE001
-                    print(f"w4 {name} {cfg}: failed: {type(e).__name__}: {e}"[:300])
-                    continue
-                row(f"w4 {name}{'+prologue' if fused else ''} {cfg}", tw / 1e3, tb / 1e3, tbs(tw))
-        gemv_w4.WORDS_ONE_ROW = True
+        for cfg in gemv_w4.WORD_CANDIDATES:
+            try:
+                tw = _time_us(lambda: gemv_w4.packed_gemv(xp, pw, None, cfg))
+                tb = _time_us(lambda: gemv_w4.packed_gemv(xp, pw, None, cfg[:4]))
+            except Exception as e:      # noqa: BLE001
+                print(f"w4 {name} {cfg}: failed: {type(e).__name__}: {e}"[:300])
+                continue
+            row(f"w4 {name} words vs bytes {cfg[:4]}", tw / 1e3, tb / 1e3, tbs(tw))
         w16 = pw.dequantize(DT)
-        t16 = _time_us(lambda: torch.nn.functional.linear(xp, w16))
-        tdq = _time_us(lambda: torch.nn.functional.linear(xp, pw.dequantize(DT)))
         tp = _time_us(lambda: gemv_w4_tuning.packed_linear(xp, pw, None))
-        row(f"w4 {name} tuned vs bf16 cuBLAS", tp / 1e3, t16 / 1e3, tbs(tp))
-        row(f"w4 {name} tuned vs dequantize+cuBLAS", tp / 1e3, tdq / 1e3, tbs(tp))
+        row(f"w4 {name} tuned vs bf16 cuBLAS", tp / 1e3, _time_us(lambda: lin(xp, w16)) / 1e3,
+            tbs(tp))
+        row(f"w4 {name} tuned vs dequantize+cuBLAS", tp / 1e3,
+            _time_us(lambda: lin(xp, pw.dequantize(DT))) / 1e3, tbs(tp))
         if kind == gemv.ADD_NORM:
-            sep = lambda: gemv_w4_tuning.packed_linear(fused_add_rms_norm(xp, r, gn, 1e-5)[0], pw,   # noqa
-                                                       None)
             fus = lambda: gemv_w4_tuning.maybe_packed_norm_linear(xp, r, gn, 1e-5, pw, None)  # noqa
+            sep = lambda: gemv_w4_tuning.packed_linear(   # noqa: E731
+                fused_add_rms_norm(xp, r, gn, 1e-5)[0], pw, None)
         elif kind == gemv.SILU_MUL:
-            sep = lambda: gemv_w4_tuning.packed_linear(silu_and_mul(x), pw, None)  # noqa: E731
             fus = lambda: gemv_w4_tuning.maybe_packed_silu_linear(x, pw)   # noqa: E731
+            sep = lambda: gemv_w4_tuning.packed_linear(silu_and_mul(x), pw, None)  # noqa: E731
         else:
             continue
         chosen = fus() is not None
         tf = _time_us(fus) if chosen else float("nan")
         row(f"w4 {name} prologue: fused {'chosen' if chosen else 'not chosen'} vs separate",
             tf / 1e3, _time_us(sep) / 1e3, tbs(tf) if chosen else "")
-
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

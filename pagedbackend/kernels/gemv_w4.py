@@ -6,11 +6,11 @@ Decode steps of 1-8 rows: a skinny W4A16 (or W8A16) matmul. Each program owns BL
 rows over the whole K and reads each weight byte once: a piece of a row's codes lies inside
 one group (an iteration takes several pieces), so its scale and zero are one load per row, the
 codes are unpacked and dequantized in registers ((q - z) * s in fp32, exact) and multiplied
-by the 16-bit input: broadcast products at one row (there the codes are read as int32 words
-and widened with integer ops, _words_piece), tensor-core dots (input tile padded to 16 rows) at
-more. The tile, and whether the prologue below runs inside it, are timed on the device per
-shape at first use (gemv_w4_tuning.py), as gemv_tuning does for the 16-bit kernel. Like that kernel it takes the prologue of
-the op before it (RMSNorm, residual add + RMSNorm, SiLU * up), is launched with programmatic
+by the 16-bit input: broadcast products at one row (or, WORD_CANDIDATES, the codes read as
+int32 words and widened with integer ops: _words_piece), tensor-core dots (input tile padded to
+16 rows) at more. The tile, and whether the prologue below runs inside it, are timed on the
+device per shape at first use (gemv_w4_tuning.py), as gemv_tuning does for the 16-bit kernel.
+Like that kernel it takes the prologue of the op before it (RMSNorm, residual add + RMSNorm, SiLU * up), is launched with programmatic
 dependent launch, and its first programs prefetch their codes into L2 before waiting.
 Wider steps run either the same kernel as a tiled GEMM (row tiles of 64-128, the dequantized
 weight tile fed to the tensor cores) or dequantize the weight into a 16-bit buffer (one kernel,
@@ -20,7 +20,6 @@ per weight) is a small part of it.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -37,19 +36,16 @@ MAX_ROWS = 8
 CANDIDATES = ((16, 1024, 4, 3), (8, 1024, 4, 4), (32, 512, 4, 4), (16, 512, 4, 4),
               (64, 128, 4, 4), (32, 256, 4, 3), (8, 2048, 4, 3), (64, 256, 8, 3))
 DOT_CANDIDATES = ((32, 512, 4, 3, True), (64, 128, 4, 4, True), (16, 512, 4, 4, True))
-# more one-row tiles for the int32-word path (_words_piece): more output rows or more bytes in
-# flight a program (its registers hold a word, not an fp32 product, per eight 4-bit weights)
-ONE_ROW_CANDIDATES = ((32, 1024, 4, 3), (16, 2048, 4, 2), (64, 512, 8, 3), (8, 4096, 4, 2),
-                      (32, 2048, 8, 2))
+# one-row tiles without a prologue that read the codes as int32 words and widen them with
+# integer ops (_words_piece), marked WORDS in the fifth element's place
+WORDS = "words"
+WORD_CANDIDATES = ((16, 1024, 4, 3, WORDS), (8, 1024, 4, 4, WORDS), (16, 512, 4, 4, WORDS),
+                   (8, 2048, 4, 3, WORDS), (16, 2048, 4, 2, WORDS), (32, 512, 4, 4, WORDS))
 # wider steps: the same kernel as a tiled GEMM (a grid over row tiles of BLOCK_M), timed per
 # rows bucket against dequantize + cuBLAS
 GEMM_CANDIDATES = ((128, 64, 8, 3, True, 128), (128, 64, 4, 4, True, 64),
                    (64, 128, 4, 4, True, 64), (128, 128, 8, 3, True, 64))
 MAX_GEMM_ROWS = 16384
-# one-row FMA tiles read the codes as int32 words and widen them with integer ops
-# (_words_piece); PAGEDBACKEND_W4_WORDS=0 keeps the byte tiles (perf/kernels_bench.py --only w4
-# times both)
-WORDS_ONE_ROW = os.environ.get("PAGEDBACKEND_W4_WORDS", "1") != "0"
 
 
 @triton.jit
@@ -76,12 +72,12 @@ MAGIC_BITS = tl.constexpr(0x4B000000)
 
 
 @triton.jit
-def _words_piece(x, qw_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP: tl.constexpr,
+def _words_piece(x_row, qw_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP: tl.constexpr,
                  BITS: tl.constexpr, BLOCK_N: tl.constexpr, SUB_K: tl.constexpr):
-    """One row's products over columns kk.. (one group) as [BLOCK_N, SUB_K / codes a word]
-    sums: the codes are read as int32 words and each becomes fp32 without a conversion
-    instruction (shift, mask | 2^23's exponent, minus 2^23 + zero: exact), multiplied by the
-    input in the same [words, codes a word] arrangement, the scale applied once per word."""
+    """One row's products over columns kk.. (one group) as a [BLOCK_N, words, codes a word]
+    tile: the codes read as int32 words, each widened to fp32 without a conversion
+    instruction (shift, mask | 2^23's exponent, minus 2^23 + zero: exact), times the scale,
+    times the input loaded in the same arrangement (no reshape, no layout change)."""
     PER: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = SUB_K // PER
     kw = kk // PER + tl.arange(0, WORDS)
@@ -90,11 +86,12 @@ def _words_piece(x, qw_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP: tl.constexpr,
     g = kk // GROUP
     s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
     mz = tl.load(z_ptr + g * N + n, mask=n_ok, other=0).to(tl.float32) + MAGIC
-    shift = (tl.arange(0, PER) * BITS)[None, None, :]
-    bits = ((wd[:, :, None] >> shift) & ((1 << BITS) - 1)) | MAGIC_BITS
-    q = bits.to(tl.float32, bitcast=True) - mz[:, None, None]         # [BLOCK_N, WORDS, PER]
-    x3 = tl.reshape(x.to(tl.float32), (1, WORDS, PER))
-    return tl.sum(q * x3, axis=2) * s[:, None]
+    j = tl.arange(0, PER)
+    bits = ((wd[:, :, None] >> (j * BITS)[None, None, :]) & ((1 << BITS) - 1)) | MAGIC_BITS
+    q = (bits.to(tl.float32, bitcast=True) - mz[:, None, None]) * s[:, None, None]
+    cols = kk + tl.arange(0, WORDS)[:, None] * PER + j[None, :]
+    x = tl.load(x_row + cols[None, :, :]).to(tl.float32)            # [1, WORDS, PER]
+    return q * x
 
 
 @triton.jit
@@ -128,8 +125,8 @@ def _packed_gemv_kernel(x_ptr, q_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr,
     PER: tl.constexpr = 32 // BITS
     if USE_DOT:
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    elif WORD_TILES:
-        accw = tl.zeros([BLOCK_N, SUB_K // PER], dtype=tl.float32)
+    elif WORD_TILES:     # one row, no prologue
+        accw = tl.zeros([BLOCK_N, SUB_K // PER, PER], dtype=tl.float32)
         qw_rows = qw_ptr + n.to(tl.int64)[:, None] * (K // PER)
     elif BLOCK_M == 1:
         acc1 = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
@@ -140,18 +137,18 @@ def _packed_gemv_kernel(x_ptr, q_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr,
     for k0 in range(0, K, BLOCK_K):
         for i in tl.static_range(BLOCK_K // SUB_K):
             kk = k0 + i * SUB_K
-            k = kk + tl.arange(0, SUB_K)
-            if PROLOGUE == 0:
-                x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
-            else:
-                x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K,
-                                    True, PROLOGUE)
-                if PROLOGUE == 1 or PROLOGUE == 2:
-                    ss += sq
             if WORD_TILES:
-                accw += _words_piece(x, qw_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS,
+                accw += _words_piece(x_ptr, qw_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS,
                                      BLOCK_N, SUB_K)
             else:
+                k = kk + tl.arange(0, SUB_K)
+                if PROLOGUE == 0:
+                    x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
+                else:
+                    x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok,
+                                        K, True, PROLOGUE)
+                    if PROLOGUE == 1 or PROLOGUE == 2:
+                        ss += sq
                 w = _codes_tile(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N,
                                 SUB_K)
                 if USE_DOT:
@@ -164,7 +161,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr,
     if USE_DOT:
         y = acc2
     elif WORD_TILES:
-        y = tl.sum(accw, axis=1)[None, :]
+        y = tl.sum(tl.sum(accw, axis=2), axis=1)[None, :]
     elif BLOCK_M == 1:
         y = tl.sum(acc1, axis=1)[None, :]
     else:
@@ -229,7 +226,9 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     m = x.shape[0]
     n, k = pw.shape
     block_n, block_k, warps, stages, *dot = config
-    use_dot = bool(dot and dot[0])
+    words = bool(dot) and dot[0] == WORDS
+    use_dot = bool(dot) and dot[0] is True
+    assert not words or (m == 1 and prologue == PLAIN and k * pw.bits % 32 == 0)
     assert m >= 1 and x.stride(1) == 1 and pw.g_idx is None
     assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     if len(dot) > 1:
@@ -248,7 +247,6 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     row_tiles = triton.cdiv(m, block_m)
     pf = prefetch_programs(pw.qweight, block_n * pw.qweight.shape[1], prologue == PLAIN) \
         if n % block_n == 0 and row_tiles == 1 else 0
-    words = WORDS_ONE_ROW and block_m == 1 and not use_dot and k % 8 == 0
     _packed_gemv_kernel[(triton.cdiv(n, block_n), row_tiles)](
         x, pw.qweight, pw.qweight.view(torch.int32) if words else pw.qweight, pw.scales,
         pw.zeros, bias if bias is not None else y, y, r, r_out,
