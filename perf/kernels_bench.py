@@ -269,12 +269,11 @@ def bench_fp8_inputs():
 
 def bench_w4():
     """AWQ / GPTQ at one row (W1's decode step), llama-3.1-8b's four matmuls with 4-bit codes in
-    groups of 128: each one-row tile reading its codes as int32 words ("triton") against the
-    same tile reading bytes ("torch" column); then the tuner's choices (the prologue inside the
-    kernel or in its own kernel first) against dequantize + cuBLAS and against bf16 cuBLAS on
-    a 16-bit weight of the same shape. Graph-timed with the L2 flushed, as the tuner times.
+    groups of 128: the tuner's choices (the prologue inside the kernel or in its own kernel
+    first) against dequantize + cuBLAS and against bf16 cuBLAS on a 16-bit weight of the same
+    shape. Graph-timed with the L2 flushed, as the tuner times.
     TB/s: the codes', scales' and zeros' bytes."""
-    from pagedbackend.kernels import gemv, gemv_w4, gemv_w4_tuning
+    from pagedbackend.kernels import gemv, gemv_w4_tuning
     from pagedbackend.kernels.gemv_tuning import _time_us
     from pagedbackend.layers.activation import silu_and_mul
     from pagedbackend.layers.norm import fused_add_rms_norm
@@ -294,14 +293,6 @@ def bench_w4():
         r, gn = torch.randn(1, k, device=DEVICE, dtype=DT), torch.ones(k, device=DEVICE, dtype=DT)
         xp = x[:, :k].contiguous()
         tbs = lambda t_us: f"{nbytes / (t_us * 1e-6) / 1e12:5.2f} TB/s"    # noqa: E731
-        for cfg in gemv_w4.WORD_CANDIDATES:
-            try:
-                tw = _time_us(lambda: gemv_w4.packed_gemv(xp, pw, None, cfg))
-                tb = _time_us(lambda: gemv_w4.packed_gemv(xp, pw, None, cfg[:4]))
-            except Exception as e:      # noqa: BLE001
-                print(f"w4 {name} {cfg}: failed: {type(e).__name__}: {e}"[:300])
-                continue
-            row(f"w4 {name} words vs bytes {cfg[:4]}", tw / 1e3, tb / 1e3, tbs(tw))
         w16 = pw.dequantize(DT)
         tp = _time_us(lambda: gemv_w4_tuning.packed_linear(xp, pw, None))
         row(f"w4 {name} tuned vs bf16 cuBLAS", tp / 1e3, _time_us(lambda: lin(xp, w16)) / 1e3,

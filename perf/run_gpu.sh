@@ -104,8 +104,8 @@ for s in $stages; do
     # bf16, AWQ, GPTQ and INT8 dummy weights in one process (W1-llama-3.1-8b-awq-h200.json, ...);
     # W2 128/128 bf16 then AWQ
     quantkernels) run quantkernels 150 python3 -m pytest -q tests/test_quant_kernels.py ;;
-    # the one-row W4A16 tiles reading int32 words against byte tiles, plain and with their
-    # prologues, and the tuner's choices against dequantize + cuBLAS and bf16 cuBLAS
+    # the W4A16 tuner's one-row choices (prologue inside or in its own kernel) against
+    # dequantize + cuBLAS and bf16 cuBLAS at llama-3.1-8b's four matmuls, ~40 s
     w4bench) run w4bench 240 python3 perf/kernels_bench.py --only w4 ;;
     w1awq) run w1awq 300 python3 perf/w1_decode.py --ab awq ;;
     w1quant) run w1quant 540 python3 perf/w1_decode.py --ab awq,gptq,int8 ;;

@@ -46,23 +46,20 @@ def test_dequantize_kernel_is_the_reference_to_the_bit(bits, group):
 
 # FMA and DOT take several groups per iteration at these K; SMALL half a group
 FMA, SMALL, DOT = gemv_w4.CANDIDATES[0], (16, 64, 2, 4), gemv_w4.DOT_CANDIDATES[0]
-WORD = gemv_w4.WORD_CANDIDATES[0]       # one row only, codes read as int32 words
 
 
 @pytest.mark.parametrize("cfg,bits,group,dtype", [
     (FMA, 4, 128, torch.float32), (FMA, 4, 32, torch.bfloat16), (FMA, 8, 64, torch.bfloat16),
     (SMALL, 4, 128, torch.bfloat16), (DOT, 4, 128, torch.bfloat16), (DOT, 4, 32, torch.float32),
-    (DOT, 8, 64, torch.bfloat16), (WORD, 4, 128, torch.float32), (WORD, 4, 32, torch.bfloat16),
-    (WORD, 8, 64, torch.float32), ((16, 64, 2, 4, gemv_w4.WORDS), 4, 128, torch.bfloat16)])
+    (DOT, 8, 64, torch.bfloat16)])
 def test_packed_gemv_matches_dequantize_then_matmul(cfg, bits, group, dtype):
     n, k = (6144, 4096) if CUDA else (72, 256)      # N not a multiple of every BLOCK_N
     pw = packed_weight(n, k, bits, group)
     w = torch_dequantize(pw)
-    tol = 1e-5 if dtype == torch.float32 and (len(cfg) == 4 or cfg[4] == gemv_w4.WORDS) \
-        else 1e-2
-    for m in (1,) if cfg[4:5] == (gemv_w4.WORDS,) else (1, 5):
+    tol = 1e-5 if dtype == torch.float32 and len(cfg) == 4 else 1e-2
+    for m in (1, 5):
         x = torch.randn(m, k, device=DEV).to(dtype)
-        b = torch.randn(n, device=DEV).to(dtype) if m == 5 or len(cfg) > 4 else None
+        b = torch.randn(n, device=DEV).to(dtype) if m == 5 else None
         y = gemv_w4.packed_gemv(x, pw, b, cfg)
         assert y.shape == (m, n) and y.dtype == dtype
         ref = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())

@@ -6,12 +6,12 @@ Decode steps of 1-8 rows: a skinny W4A16 (or W8A16) matmul. Each program owns BL
 rows over the whole K and reads each weight byte once: a piece of a row's codes lies inside
 one group (an iteration takes several pieces), so its scale and zero are one load per row, the
 codes are unpacked and dequantized in registers ((q - z) * s in fp32, exact) and multiplied
-by the 16-bit input: broadcast products at one row (or, WORD_CANDIDATES, the codes read as
-int32 words and widened with integer ops: _words_piece), tensor-core dots (input tile padded to
-16 rows) at more. The tile, and whether the prologue below runs inside it, are timed on the
+by the 16-bit input: broadcast products at one row, tensor-core dots (input tile padded to 16
+rows) at more. The tile, and whether the prologue below runs inside it, are timed on the
 device per shape at first use (gemv_w4_tuning.py), as gemv_tuning does for the 16-bit kernel.
-Like that kernel it takes the prologue of the op before it (RMSNorm, residual add + RMSNorm, SiLU * up), is launched with programmatic
-dependent launch, and its first programs prefetch their codes into L2 before waiting.
+Like that kernel it can take the prologue of the op before it (RMSNorm, residual add +
+RMSNorm, SiLU * up), is launched with programmatic dependent launch, and its first programs
+prefetch their codes into L2 before waiting.
 Wider steps run either the same kernel as a tiled GEMM (row tiles of 64-128, the dequantized
 weight tile fed to the tensor cores) or dequantize the weight into a 16-bit buffer (one kernel,
 each byte read once) and run cuBLAS on it, whichever was timed faster for the rows bucket: at
@@ -19,7 +19,6 @@ hundreds of rows the matmul is compute-bound and the dequantization's extra traf
 per weight) is a small part of it.
 """
 from __future__ import annotations
-
 
 import torch
 import triton
@@ -36,11 +35,6 @@ MAX_ROWS = 8
 CANDIDATES = ((16, 1024, 4, 3), (8, 1024, 4, 4), (32, 512, 4, 4), (16, 512, 4, 4),
               (64, 128, 4, 4), (32, 256, 4, 3), (8, 2048, 4, 3), (64, 256, 8, 3))
 DOT_CANDIDATES = ((32, 512, 4, 3, True), (64, 128, 4, 4, True), (16, 512, 4, 4, True))
-# one-row tiles without a prologue that read the codes as int32 words and widen them with
-# integer ops (_words_piece), marked WORDS in the fifth element's place
-WORDS = "words"
-WORD_CANDIDATES = ((16, 1024, 4, 3, WORDS), (8, 1024, 4, 4, WORDS), (16, 512, 4, 4, WORDS),
-                   (8, 2048, 4, 3, WORDS), (16, 2048, 4, 2, WORDS), (32, 512, 4, 4, WORDS))
 # wider steps: the same kernel as a tiled GEMM (a grid over row tiles of BLOCK_M), timed per
 # rows bucket against dequantize + cuBLAS
 GEMM_CANDIDATES = ((128, 64, 8, 3, True, 128), (128, 64, 4, 4, True, 64),
@@ -66,40 +60,12 @@ def _codes_tile(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP: tl.constexpr, BITS:
     return (codes.to(tl.int32) - z[:, None]).to(tl.float32) * s[:, None]
 
 
-# fp32 2^23: a code c OR-ed into its low mantissa bits reads as 2^23 + c, exactly
-MAGIC = tl.constexpr(8388608.0)
-MAGIC_BITS = tl.constexpr(0x4B000000)
-
-
 @triton.jit
-def _words_piece(x_row, qw_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP: tl.constexpr,
-                 BITS: tl.constexpr, BLOCK_N: tl.constexpr, SUB_K: tl.constexpr):
-    """One row's products over columns kk.. (one group) as a [BLOCK_N, words, codes a word]
-    tile: the codes read as int32 words, each widened to fp32 without a conversion
-    instruction (shift, mask | 2^23's exponent, minus 2^23 + zero: exact), times the scale,
-    times the input loaded in the same arrangement (no reshape, no layout change)."""
-    PER: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = SUB_K // PER
-    kw = kk // PER + tl.arange(0, WORDS)
-    wd = tl.load(qw_rows + kw[None, :], mask=n_ok[:, None], other=0,
-                 eviction_policy="evict_first")
-    g = kk // GROUP
-    s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
-    mz = tl.load(z_ptr + g * N + n, mask=n_ok, other=0).to(tl.float32) + MAGIC
-    j = tl.arange(0, PER)
-    bits = ((wd[:, :, None] >> (j * BITS)[None, None, :]) & ((1 << BITS) - 1)) | MAGIC_BITS
-    q = (bits.to(tl.float32, bitcast=True) - mz[:, None, None]) * s[:, None, None]
-    cols = kk + tl.arange(0, WORDS)[:, None] * PER + j[None, :]
-    x = tl.load(x_row + cols[None, :, :]).to(tl.float32)            # [1, WORDS, PER]
-    return q * x
-
-
-@triton.jit
-def _packed_gemv_kernel(x_ptr, q_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr,
-                        g_ptr, eps, M, N, K, stride_xm, stride_ym, stride_rm, stride_rom,
+def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps,
+                        M, N, K, stride_xm, stride_ym, stride_rm, stride_rom,
                         GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, WORD_TILES: tl.constexpr,
+                        HAS_BIAS: tl.constexpr,
                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr,
                         prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
@@ -122,12 +88,8 @@ def _packed_gemv_kernel(x_ptr, q_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr,
         if pid < prefetch_programs:
             l2_prefetch(q_ptr + pid * BLOCK_N * (K * BITS // 8), BLOCK_N * (K * BITS // 8))
     pdl_wait(USE_PDL)
-    PER: tl.constexpr = 32 // BITS
     if USE_DOT:
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    elif WORD_TILES:     # one row, no prologue
-        accw = tl.zeros([BLOCK_N, SUB_K // PER, PER], dtype=tl.float32)
-        qw_rows = qw_ptr + n.to(tl.int64)[:, None] * (K // PER)
     elif BLOCK_M == 1:
         acc1 = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
     else:
@@ -137,31 +99,24 @@ def _packed_gemv_kernel(x_ptr, q_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr,
     for k0 in range(0, K, BLOCK_K):
         for i in tl.static_range(BLOCK_K // SUB_K):
             kk = k0 + i * SUB_K
-            if WORD_TILES:
-                accw += _words_piece(x_ptr, qw_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS,
-                                     BLOCK_N, SUB_K)
+            w = _codes_tile(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N, SUB_K)
+            k = kk + tl.arange(0, SUB_K)
+            if PROLOGUE == 0:
+                x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
             else:
-                k = kk + tl.arange(0, SUB_K)
-                if PROLOGUE == 0:
-                    x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
-                else:
-                    x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok,
-                                        K, True, PROLOGUE)
-                    if PROLOGUE == 1 or PROLOGUE == 2:
-                        ss += sq
-                w = _codes_tile(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N,
-                                SUB_K)
-                if USE_DOT:
-                    xd = x.to(y_ptr.dtype.element_ty)
-                    acc2 += mma(xd, tl.trans(w.to(xd.dtype)), PRECISION)
-                elif BLOCK_M == 1:
-                    acc1 += x.to(tl.float32) * w
-                else:
-                    acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
+                x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K,
+                                    True, PROLOGUE)
+                if PROLOGUE == 1 or PROLOGUE == 2:
+                    ss += sq
+            if USE_DOT:
+                xd = x.to(y_ptr.dtype.element_ty)
+                acc2 += mma(xd, tl.trans(w.to(xd.dtype)), PRECISION)
+            elif BLOCK_M == 1:
+                acc1 += x.to(tl.float32) * w
+            else:
+                acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
     if USE_DOT:
         y = acc2
-    elif WORD_TILES:
-        y = tl.sum(tl.sum(accw, axis=2), axis=1)[None, :]
     elif BLOCK_M == 1:
         y = tl.sum(acc1, axis=1)[None, :]
     else:
@@ -226,9 +181,7 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     m = x.shape[0]
     n, k = pw.shape
     block_n, block_k, warps, stages, *dot = config
-    words = bool(dot) and dot[0] == WORDS
-    use_dot = bool(dot) and dot[0] is True
-    assert not words or (m == 1 and prologue == PLAIN and k * pw.bits % 32 == 0)
+    use_dot = bool(dot and dot[0])
     assert m >= 1 and x.stride(1) == 1 and pw.g_idx is None
     assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     if len(dot) > 1:
@@ -248,13 +201,11 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     pf = prefetch_programs(pw.qweight, block_n * pw.qweight.shape[1], prologue == PLAIN) \
         if n % block_n == 0 and row_tiles == 1 else 0
     _packed_gemv_kernel[(triton.cdiv(n, block_n), row_tiles)](
-        x, pw.qweight, pw.qweight.view(torch.int32) if words else pw.qweight, pw.scales,
-        pw.zeros, bias if bias is not None else y, y, r, r_out,
+        x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, r, r_out,
         norm_weight if norm_weight is not None else y, eps, m, n, k,
         x.stride(0), y.stride(0), r.stride(0), r_out.stride(0), GROUP=pw.group_size,
         BITS=pw.bits, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, WORD_TILES=words,
-        USE_DOT=use_dot,
+        BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, USE_DOT=use_dot,
         PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
         PREFETCH=pf > 0, num_warps=warps, num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y

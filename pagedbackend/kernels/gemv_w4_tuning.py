@@ -21,7 +21,7 @@ import triton
 
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL
 from pagedbackend.kernels.gemv_w4 import (CANDIDATES, DOT_CANDIDATES, GEMM_CANDIDATES,
-                                          MAX_GEMM_ROWS, MAX_ROWS, WORD_CANDIDATES, WORDS,
+                                          MAX_GEMM_ROWS, MAX_ROWS,
                                           _block_k, packed_gemv)
 
 logger = logging.getLogger("pagedbackend")
@@ -103,7 +103,7 @@ def _tiles(rows: int, pw) -> tuple:
     if rows > MAX_ROWS:
         return GEMM_CANDIDATES
     if rows == 1:
-        return CANDIDATES + WORD_CANDIDATES
+        return CANDIDATES
     return tuple(c for c in CANDIDATES
                  if rows * c[0] * _block_k(c[1], pw.group_size) <= 64 * 32 * c[2]) \
         + DOT_CANDIDATES
@@ -133,9 +133,7 @@ def _tune(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
         kernel = lambda cfg: packed_gemv(xs, pw, bias, cfg)        # noqa: E731
         tiles = _tiles(rows, pw)
     else:
-        # the word tiles take no prologue
-        tiles = [c for c in _RANKED.get(_key(x, pw, PLAIN), [])
-                 if len(c) < 5 or c[4] != WORDS][:FUSED_TRIES]
+        tiles = _RANKED.get(_key(x, pw, PLAIN), [])[:FUSED_TRIES]
         if prologue == SILU_MUL:
             what, baseline = "silu_mul+", lambda: matmul(silu_and_mul(gu))
             kernel = lambda cfg: packed_gemv(gu, pw, None, cfg, SILU_MUL)       # noqa: E731
