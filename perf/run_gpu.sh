@@ -83,8 +83,9 @@ for s in $stages; do
                   --ab fp8oldtiles --compiled-baseline ;;
     # W2 with fp8 weights + fp8 KV: 128/128, 2048/128, 128/2048 with the per-token quantization
     # in the RMSNorm / SiLU·mul kernels, then 128/128 with it in its own kernel (fp8nofuse;
-    # w2fp8ab adds 2048/128 to that, ~25 s more); one process, ~2.7 min
-    w2fp8) run w2fp8 170 python3 perf/w2_fixed.py --shapes 128-128,2048-128,128-2048 \
+    # w2fp8ab adds 2048/128 to that, ~25 s more); one process, ~3.5-4 min (170 s cut call 54
+    # short in its fourth engine)
+    w2fp8) run w2fp8 260 python3 perf/w2_fixed.py --shapes 128-128,2048-128,128-2048 \
              --ab-shapes 128-128 --quantization fp8 --kv-cache-dtype fp8 --suffix fp8 \
              --ab fp8nofuse ;;
     w2fp8ab) run w2fp8ab 200 python3 perf/w2_fixed.py --shapes 128-128,2048-128 \
