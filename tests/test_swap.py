@@ -298,3 +298,27 @@ def test_settings_reach_the_engine_model_and_serve_flags():
         engine_config({"model": "x", "preemption_mode": "swap"}, Path("/"))
     assert {"swap_space", "preemption_mode"} <= set(ENGINE_PARAMETERS)
     assert env_overrides({"PAGEDBACKEND_SWAP_SPACE": "16"}) == {"swap_space": "16"}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_with_swapped_requests_gives_the_plain_tokens(checkpoints, method):
+    """Speculative decoding over a pool that forces swaps: the drafts' reserved slots, their
+    rollback and the verification's KV all go through swap out / in, and the greedy tokens
+    are the plain engine's (no drafts, no host tier); both tiers' blocks balance every step."""
+    path = checkpoints["llama"]
+    rng = random.Random(7)
+    batch = []
+    for i in range(8):      # a phrase said twice: the n-gram proposer finds continuations
+        phrase = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(6, 12))]
+        batch.append({"prompt_token_ids": phrase + phrase})
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = generate(LLM(path, **ENGINE), batch, params)
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec.update({"model": path} if method == "draft_model"
+                else {"prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    llm = swap_llm(path, preemption_mode="swap", speculative_config=spec)
+    assert generate(llm, batch, params) == want
+    st = llm.engine.stats()
+    assert st.preemptions_swap > 0 and st.swap_in_blocks > 0 and st.num_swapped == 0
+    drafts = llm.engine.drafter.stats
+    assert drafts.num_drafts > 0 and drafts.num_accepted_tokens > 0
