@@ -291,6 +291,10 @@ def test_auth_on_every_protected_route(gateway):
         r = httpx.request(method, base + path, json=body, timeout=60,
                           headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200, r.text
+        if path == "/v1/models/smollm2":   # the engine model's settings, as configured
+            settings = r.json()["settings"]
+            assert settings["swap_space"] == 0 and settings["block_size"] == 16, settings
+            assert settings["enable_prefix_caching"] is True and "quantization" not in settings
     assert httpx.get(base + "/health").status_code == 200
     # /metrics needs the key too (Prometheus can send it); Triton's metrics, vllm:* included
     assert httpx.get(base + "/metrics", timeout=30).status_code == 401

@@ -47,6 +47,8 @@ class FakeBackend:
         self.is_ready, self.answer, self.fail, self.fail_after = True, ANSWER, None, None
         self.delay = 0.0
         self.has_logprobs = True
+        self.engine_settings, self.settings_error = {"max_model_len": 2048, "swap_space": 4,
+                                                     "preemption_mode": "auto"}, None
 
     async def ready(self) -> bool:
         return self.is_ready
@@ -56,6 +58,11 @@ class FakeBackend:
 
     async def supports_logprobs(self) -> bool:
         return self.has_logprobs
+
+    async def settings(self) -> dict:
+        if self.settings_error:
+            raise RuntimeError(self.settings_error)
+        return self.engine_settings
 
     async def generate(self, req):
         self.requests.append(req)
@@ -140,6 +147,13 @@ def test_models_aliases_version_health(client, fake):
     assert [m["id"] for m in data] == ["smol", "alias"]
     assert client.get("/v1/models/alias").json()["id"] == "alias"
     assert client.get("/v1/models/nope").status_code == 404
+    card = data[0]
+    assert card["max_model_len"] == 2048
+    assert card["settings"] == {"max_model_len": 2048, "swap_space": 4, "preemption_mode": "auto"}
+    fake.settings_error = "engine config unreadable"        # the list still answers
+    card = client.get("/v1/models/smol").json()
+    assert card["id"] == "smol" and card["settings"] == {} and "max_model_len" not in card
+    fake.settings_error = None
     assert client.get("/version").json()["triton_version"] == "2.51.0"
     assert client.get("/health").status_code == 200
     fake.is_ready = False

@@ -91,19 +91,25 @@ def create_app(backend: Backend, served_names: list[str], api_key: Optional[str]
             triton = None
         return {"version": _own_version(), "triton_version": triton}
 
-    def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": created, "owned_by": "pagedbackend",
-                "root": served_names[0], "parent": None}
+    async def model_card(name: str) -> dict:
+        # vLLM's card, with max_model_len when it is set and the engine's other settings
+        # (swap_space, quantization, ...) under "settings"
+        settings = await _settings(backend)
+        card = {"id": name, "object": "model", "created": created, "owned_by": "pagedbackend",
+                "root": served_names[0], "parent": None, "settings": settings}
+        if isinstance(settings.get("max_model_len"), int):
+            card["max_model_len"] = settings["max_model_len"]
+        return card
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card(n) for n in served_names]}
+        return {"object": "list", "data": [await model_card(n) for n in served_names]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict:
         if name not in served_names:
             raise unknown_model(name)
-        return model_card(name)
+        return await model_card(name)
 
     async def generate(request: Request, parse):
         body = await read_json(request, max_body_bytes)
@@ -207,6 +213,16 @@ class ApiKeyMiddleware:
                                 headers={"WWW-Authenticate": "Bearer"})
             return await resp(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+async def _settings(backend: Backend) -> dict:
+    """The backend's engine settings, {} when it has none or cannot say (the list still
+    answers)."""
+    try:
+        return dict(await backend.settings()) if hasattr(backend, "settings") else {}
+    except Exception:  # noqa: BLE001 - the model list must not fail on this
+        log.warning("engine settings unavailable", exc_info=True)
+        return {}
 
 
 async def _supports_logprobs(backend: Backend) -> bool:

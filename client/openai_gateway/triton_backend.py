@@ -32,9 +32,17 @@ _NUMPY = {"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np
           "BYTES": np.object_}
 
 
+# The engine model's parameters the model list shows (set ones only; docs/SERVING.md names them)
+SHOWN_SETTINGS = ("max_model_len", "dtype", "kv_cache_dtype", "quantization", "block_size",
+                  "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                  "enable_prefix_caching", "speculative_config", "swap_space",
+                  "preemption_mode", "max_queue_len", "max_queue_delay_ms")
+
+
 class TritonBackend:
-    def __init__(self, url: str, model: str = "ensemble") -> None:
-        self.url, self.model = url, model
+    def __init__(self, url: str, model: str = "ensemble", engine_model: str = "engine") -> None:
+        self.url, self.model, self.engine_model = url, model, engine_model
+        self._settings: Optional[dict] = None
         self._client: Optional[grpcclient.InferenceServerClient] = None
         self._inputs: Optional[set] = None      # input names of the model, read once
         self._outputs: set = set()
@@ -76,6 +84,20 @@ class TritonBackend:
     async def supports_logprobs(self) -> bool:
         await self._model_inputs()
         return "logprobs" in self._outputs
+
+    async def settings(self) -> dict:
+        """The engine model's configured parameters among SHOWN_SETTINGS (typed: ints, floats,
+        booleans), read once; {} while the engine model's config cannot be read."""
+        if self._settings is None:
+            try:
+                cfg = (await self._grpc().get_model_config(self.engine_model,
+                                                           as_json=True))["config"]
+            except InferenceServerException:
+                return {}
+            params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+            self._settings = {k: _typed(params[k]) for k in SHOWN_SETTINGS
+                              if params.get(k, "") != ""}
+        return self._settings
 
     def _tensor(self, name: str, dtype: str, values: list) -> grpcclient.InferInput:
         arr = np.array(values, dtype=_NUMPY[dtype])
@@ -174,6 +196,19 @@ class TritonBackend:
                 # The client went away (or we failed): cancelling the gRPC call makes Triton cancel
                 # the request, and the engine aborts it and frees its KV blocks.
                 stream.cancel()
+
+
+def _typed(text: str):
+    """A config parameter's text as the JSON value it reads as: 16 -> 16, "0.5" -> 0.5,
+    "true" -> True; anything else stays text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _fits(value, dtype: str) -> bool:
