@@ -287,7 +287,8 @@ def bench_w4():
         pw = PackedWeight(4, 128, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8,
                                                 device=DEVICE),
                           (torch.rand(g, n, device=DEVICE) * 0.02).half(),
-                          torch.randint(0, 16, (g, n), dtype=torch.uint8, device=DEVICE), None, None)
+                          torch.randint(0, 16, (g, n), dtype=torch.uint8, device=DEVICE),
+                          None, None)
         nbytes = n * k // 2 + g * n * 3
         x = torch.randn(1, 2 * k if kind == gemv.SILU_MUL else k, device=DEVICE, dtype=DT)
         r, gn = torch.randn(1, k, device=DEVICE, dtype=DT), torch.ones(k, device=DEVICE, dtype=DT)
