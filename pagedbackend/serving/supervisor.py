@@ -13,8 +13,6 @@ engine model unloads itself after its loop died (engine_loop.py): that too resta
 """
 from __future__ import annotations
 
-import os
-import threading
 import time
 from typing import Callable, Optional
 
@@ -27,23 +25,6 @@ def engine_stub_pids(root: int) -> list[int]:
     """Live (not zombie) engine stubs started by the tritonserver process `root`."""
     return [p.pid for p in process_table().values()
             if p.ppid == root and p.live and all(part in p.cmdline for part in ENGINE_STUB)]
-
-
-def exit_when_orphaned(poll_s: float = 1.0) -> threading.Thread:
-    """In a backend stub: leave at once when tritonserver dies without stopping us (SIGKILL,
-    a crash). The engine's stub otherwise lived on (two seen, one an hour after its server had
-    gone, holding the model's memory): its exit path waits on IPC to the dead server."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(poll_s)
-            if os.getppid() != parent:
-                os._exit(3)
-
-    thread = threading.Thread(target=watch, daemon=True, name="orphan-watch")
-    thread.start()
-    return thread
 
 
 class Supervisor:

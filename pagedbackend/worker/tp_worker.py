@@ -10,12 +10,12 @@ import datetime
 import os
 import pickle
 import sys
-import threading
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from pagedbackend.worker.orphan import exit_when_orphaned
 
 HOST = "127.0.0.1"                 # tensor parallelism here is within one host
 INIT_TIMEOUT_S = 1800.0            # rendezvous and start-up (loading a large shard takes a while)
@@ -60,23 +60,14 @@ def agree_min(ctrl_group: Any, value: int) -> int:
     return int(t.item())
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    # If the engine's process dies (even by SIGKILL) we are re-parented; leave at once, even if
-    # the main thread is blocked in a collective or on the device.
-    while True:
-        time.sleep(ORPHAN_POLL_S)
-        if os.getppid() != parent_pid:
-            os._exit(3)
-
-
 def worker_main(rank: int, world: int, port: int, backend: str, config: Any, hf_config: dict,
                 device: str, dtype: str, max_num_batched_tokens: int, max_model_len: int,
                 parent_pid: int, conn: Any) -> None:
     """Entry point of a spawned worker rank. Protocol on `conn` (a pipe to rank 0):
     worker -> rank 0: ("ready", num_kv_blocks) once, or ("error", text) before exiting 1;
     rank 0 -> worker: pickled HostInputs for each step, pickled None to shut down."""
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True,
-                     name="tp-orphan-watch").start()
+    # if the engine's process dies (even by SIGKILL), leave at once
+    exit_when_orphaned(parent_pid, ORPHAN_POLL_S, "tp-orphan-watch")
     from pagedbackend.worker.model_runner import ModelRunner
 
     try:

@@ -253,7 +253,7 @@ def test_sigterm_with_requests_in_flight_ends_each_one(doomed):
     assert ends[:2] == ["final", "final"], ends
     for how in ends[2:]:
         assert how.startswith("error") or "RemoteProtocolError" in how, how
-    # The engine's stub leaves too (supervisor.exit_when_orphaned), however the server went;
+    # The engine's stub leaves too (worker/orphan.exit_when_orphaned), however the server went;
     # the other stubs are Triton's to end (they have taken more than 10 s after a SIGKILL).
     assert wait_for(lambda: not alive(engine), 10), "the engine's stub outlived its server"
 
@@ -309,7 +309,7 @@ if sys.argv[1] == "parent":
     print(child.pid, flush=True)
     time.sleep(600)
 else:
-    from pagedbackend.serving.supervisor import exit_when_orphaned
+    from pagedbackend.worker.orphan import exit_when_orphaned
     exit_when_orphaned(poll_s=0.1)
     time.sleep(600)
 """

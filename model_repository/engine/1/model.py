@@ -37,7 +37,7 @@ from pagedbackend.serving.request import (RequestError, check_single_batch,  # n
 from pagedbackend.serving.responses import Outgoing  # noqa: E402
 from pagedbackend.serving.settings import (engine_config, parameters_of,  # noqa: E402
                                            streaming_options)
-from pagedbackend.serving.supervisor import exit_when_orphaned  # noqa: E402
+from pagedbackend.worker.orphan import exit_when_orphaned  # noqa: E402
 
 ERROR_CODES = {"invalid": "INVALID_ARG", "cancelled": "CANCELLED", "unavailable": "UNAVAILABLE",
                "internal": "INTERNAL"}
