@@ -146,7 +146,6 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
             return skinny_linear(xs, weight, bias, cfg, weight_scale=scale)
     ref = baseline(True).float()
     base = _time_us(lambda: baseline(False))
-    best, best_us = None, float("inf")
     # the tensor-core tiles from 2 rows (at one row none beat the broadcast products' tiles on
     # the H200, bf16 or fp8: perf/RESULTS.md calls 41-42); fp8's integer-widening tiles at one
     # row (where the FMA tiles run), for e4m3 weights only (int8 ones are not e4m3 bits: on
@@ -154,20 +153,11 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
     widen = scale is not None and weight.dtype == torch.float8_e4m3fn and rows == 1
     tiles = CANDIDATES + (FP8_CANDIDATES if scale is not None else ()) + DOT_CANDIDATES \
         + (FP8_WIDEN_CANDIDATES if widen else ())
-    for cfg in (c for c in tiles if rows > 1 or len(c) == 4 or not c[4]):
-        try:
-            # a tile that is wrong here (e.g. a miscompile) or fails is never chosen; the
-            # fused norm skips one bf16 rounding, hence the tolerance
-            agree = torch.allclose(kernel(cfg).float(), ref, rtol=2e-2, atol=2e-2)
-            us = _time_us(lambda cfg=cfg: kernel(cfg)) if agree else float("inf")
-        except Exception as e:      # noqa: BLE001
-            logger.warning("skinny GEMM %s %s at %dx%dx%d failed: %s", what, cfg, rows, n, k, e)
-            continue
-        if not agree:
-            logger.warning("skinny GEMM %s %s at %dx%dx%d disagrees with cuBLAS; skipped",
-                           what, cfg, rows, n, k)
-        elif us < best_us:
-            best, best_us = cfg, us
+    timed = time_tiles([c for c in tiles if rows > 1 or len(c) == 4 or not c[4]], kernel, ref,
+                       f"skinny GEMM {what}", f"{rows}x{n}x{k}")
+    best, best_us = None, float("inf")
+    if timed:
+        best_us, best = timed[0]
     if best is not None and best_us >= base * MARGIN:
         best = None
     logger.info("skinny GEMM rows<=%d N=%d K=%d %s %s: cuBLAS %.1f us, %s", rows, n, k,
@@ -175,6 +165,24 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
                 f"triton {best} {best_us:.1f} us (chosen)" if best
                 else f"kept cuBLAS (best triton {best_us:.1f} us)")
     return best
+
+
+def time_tiles(tiles, kernel, ref: torch.Tensor, what: str, shape: str) -> list[tuple]:
+    """[(us, tile)] of the tiles whose kernel(tile) agrees with ref, fastest first. A tile
+    that is wrong here (e.g. a miscompile) or fails is never chosen; the tolerance is a fused
+    norm's (it skips one bf16 rounding)."""
+    timed = []
+    for cfg in tiles:
+        try:
+            agree = torch.allclose(kernel(cfg).float(), ref, rtol=2e-2, atol=2e-2)
+            if agree:
+                timed.append((_time_us(lambda cfg=cfg: kernel(cfg)), cfg))
+        except Exception as e:      # noqa: BLE001
+            logger.warning("%s %s at %s failed: %s", what, cfg, shape, e)
+            continue
+        if not agree:
+            logger.warning("%s %s at %s disagrees with the reference; skipped", what, cfg, shape)
+    return sorted(timed, key=lambda t: t[0])
 
 
 def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -112,7 +112,7 @@ def _tiles(rows: int, pw) -> tuple:
 def _tune(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
     """The fastest tile that agrees with what it replaces and beats it (dequantize + cuBLAS;
     with a prologue, the separate kernel and the plain choice), timed as gemv_tuning times."""
-    from pagedbackend.kernels.gemv_tuning import _pattern, _time_us
+    from pagedbackend.kernels.gemv_tuning import _pattern, _time_us, time_tiles
     from pagedbackend.layers.activation import silu_and_mul
     from pagedbackend.layers.norm import fused_add_rms_norm, rms_norm
     rows = triton.next_power_of_2(x.shape[0])
@@ -146,20 +146,9 @@ def _tune(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
             kernel = lambda cfg: packed_gemv(xs, pw, bias, cfg, ADD_NORM, rs, g, 1e-6)[0]  # noqa
     ref = baseline().float()
     base = _time_us(baseline)
-    timed = []
-    for cfg in tiles:
-        try:
-            # the fused norm skips one bf16 rounding, hence the tolerance
-            ok = torch.allclose(kernel(cfg).float(), ref, rtol=2e-2, atol=2e-2)
-            us = _time_us(lambda cfg=cfg: kernel(cfg)) if ok else float("inf")
-        except Exception as e:      # noqa: BLE001
-            logger.warning("W%dA16 %s %s at %dx%dx%d failed: %s", pw.bits, what, cfg, rows,
-                           n, k, e)
-            continue
-        timed.append((us, cfg))
-    timed.sort(key=lambda t: t[0])
+    timed = time_tiles(tiles, kernel, ref, f"W{pw.bits}A16 {what}", f"{rows}x{n}x{k}")
     if prologue == PLAIN:
-        _RANKED[_key(x, pw, PLAIN)] = [cfg for us, cfg in timed if us < float("inf")]
+        _RANKED[_key(x, pw, PLAIN)] = [cfg for us, cfg in timed]
     best, best_us = None, base
     if timed and timed[0][0] < base:
         best_us, best = timed[0]
