@@ -248,6 +248,33 @@ def write_result(workload: str, model: str, data: dict, suffix: str = "") -> str
     return name
 
 
+def start_gateway(server, tokenizer: str, key: str, log, *extra: str):
+    """The OpenAI gateway in front of a started launcher.TritonServer, on a free port of
+    127.0.0.1, serving "smollm2" behind API key `key`; extra: more gateway flags. Returns (its
+    process, its base URL) once /health answers 200; RuntimeError if it exits or is not healthy
+    within 120 s."""
+    import httpx
+
+    from pagedbackend.serving.launcher import free_port
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", server.grpc_url,
+         "--host", "127.0.0.1", "--port", str(port), "--tokenizer", tokenizer,
+         "--served-model-name", "smollm2", "--api-key", key, "--log-level", "warning", *extra],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        if proc.poll() is not None:
+            raise RuntimeError("the gateway exited at start")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError("the gateway did not become healthy")
+
 def cuda_alloc_stats() -> dict:
     """The caching allocator's counters: retries (cache flushed, a device sync) and raw
     cudaMalloc/cudaFree calls since start."""

@@ -16,7 +16,6 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from common import ROOT, commit, print_table, write_result
+from common import ROOT, commit, print_table, start_gateway, write_result
 
 from pagedbackend.serving.launcher import TritonServer, free_port, materialize_repository
 
@@ -158,21 +157,9 @@ def main() -> None:
 
 
 def gateway_run(server, seconds: float, backoff_s: float) -> dict:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", server.grpc_url,
-         "--triton-metrics", "off", "--port", str(port), "--tokenizer", MODEL,
-         "--served-model-name", "smollm2", "--api-key", KEY, "--rate-limit", "5",
-         "--log-level", "warning"], cwd=ROOT, stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_gateway(server, MODEL, KEY, subprocess.DEVNULL, "--triton-metrics", "off",
+                               "--rate-limit", "5")
     try:
-        for _ in range(240):
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
         body = {"model": "smollm2", "prompt": BODY["text_input"], "max_tokens": 16,
                 "ignore_eos": True, "temperature": 0.0}
         return flood(base + "/v1/completions", 8, seconds, body,
@@ -180,7 +167,6 @@ def gateway_run(server, seconds: float, backoff_s: float) -> dict:
     finally:
         proc.terminate()
         proc.wait(15)
-
 
 if __name__ == "__main__":
     main()

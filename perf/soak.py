@@ -18,8 +18,6 @@ import os
 import queue
 import random
 import re
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from common import ROOT, commit, print_table, write_result
+from common import ROOT, commit, print_table, start_gateway, write_result
 
 from pagedbackend.serving import processes
 from pagedbackend.serving.launcher import TritonServer, free_port, materialize_repository
@@ -230,26 +228,6 @@ class Soak:
         return "error", f"{status}: {text[:120]}"
 
 
-def start_gateway(server: TritonServer, log) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "client.openai_gateway", "--triton-grpc", server.grpc_url,
-         "--triton-metrics", server.metrics_url, "--host", "127.0.0.1", "--port", str(port),
-         "--tokenizer", MODEL, "--served-model-name", "smollm2", "--api-key", KEY,
-         "--log-level", "warning"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        if proc.poll() is not None:
-            raise RuntimeError("the gateway exited at start")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the gateway did not become healthy")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=30.0)
@@ -271,7 +249,8 @@ def main() -> None:
     gateway = None
     try:
         server.wait_ready(600)
-        gateway, base = start_gateway(server, log)
+        gateway, base = start_gateway(server, MODEL, KEY, log, "--triton-metrics",
+                                      server.metrics_url)
         stubs0 = {p: c for p, (c, _) in tree(server.proc.pid).items()
                   if "triton_python_backend_stub" in c}
         soak = Soak(server, base, args.seed, args.disconnect, args.bad)
