@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
 from pagedbackend.config import check
+from pagedbackend.serving.settings import convert_parameter
 
 
 @dataclass(frozen=True)
@@ -30,14 +31,8 @@ class AdmissionConfig:
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> "AdmissionConfig":
-        def number(key: str, kind: type) -> Any:
-            text = params.get(key, "") or "0"
-            try:
-                return kind(text)
-            except ValueError:
-                raise ValueError(f"parameter {key}={text!r} is invalid: must be "
-                                 f"{'an integer' if kind is int else 'a number'} >= 0") from None
-        return cls(number("max_queue_len", int), number("max_queue_delay_ms", float))
+        return cls(*(convert_parameter(key, params.get(key, "") or "0", kind)
+                     for key, kind in (("max_queue_len", "int"), ("max_queue_delay_ms", "float"))))
 
 
 class Admission:

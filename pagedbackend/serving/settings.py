@@ -35,7 +35,7 @@ def engine_config(params: Mapping[str, str], root: Path) -> EngineConfig:
     for key, text in params.items():
         if key not in types:
             continue
-        kwargs[key] = _convert(key, text, types[key])
+        kwargs[key] = convert_parameter(key, text, types[key])
     if "model" not in kwargs:
         raise ValueError("parameter model is missing: must be a model directory")
     kwargs["model"] = resolve_path(kwargs["model"], root)
@@ -53,15 +53,15 @@ def engine_config(params: Mapping[str, str], root: Path) -> EngineConfig:
 def streaming_options(params: Mapping[str, str]) -> dict[str, Any]:
     """The engine model's streaming parameters, typed and checked (see docs/SERVING.md):
     {"coalesce": stream_coalesce, "max_responses_per_s": max_responses_per_s}."""
-    coalesce = _convert("stream_coalesce", params.get("stream_coalesce", "true"), "bool")
-    rate = _convert("max_responses_per_s", params.get("max_responses_per_s", "0"), "float")
+    coalesce = convert_parameter("stream_coalesce", params.get("stream_coalesce", "true"), "bool")
+    rate = convert_parameter("max_responses_per_s", params.get("max_responses_per_s", "0"), "float")
     if rate < 0:
         raise ValueError(f"parameter max_responses_per_s={rate!r} is invalid: must be a number "
                          ">= 0 (0: one response per engine step)")
     return {"coalesce": coalesce, "max_responses_per_s": rate}
 
 
-def _convert(key: str, text: str, hint: str) -> Any:
+def convert_parameter(key: str, text: str, hint: str) -> Any:
     try:
         if "bool" in hint:
             low = text.lower()
