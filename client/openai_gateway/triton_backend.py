@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from typing import AsyncIterator, Optional
 
@@ -17,6 +18,9 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from client.openai_gateway.backend import BackendError, BackendRequest, Chunk, TokenLogprob
+from pagedbackend.config import EngineConfig
+from pagedbackend.serving.admission import AdmissionConfig
+from pagedbackend.serving.settings import convert_parameter, parameters_of
 
 # SamplingParams field → ensemble tensor, with the tensor's datatype.
 _TENSORS = {
@@ -37,6 +41,11 @@ SHOWN_SETTINGS = ("max_model_len", "dtype", "kv_cache_dtype", "quantization", "b
                   "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
                   "enable_prefix_caching", "speculative_config", "swap_space",
                   "preemption_mode", "max_queue_len", "max_queue_delay_ms")
+
+
+# each shown setting's type as the engine reads it
+_HINTS = {f.name: str(f.type) for cls in (EngineConfig, AdmissionConfig)
+          for f in dataclasses.fields(cls)}
 
 
 class TritonBackend:
@@ -86,17 +95,18 @@ class TritonBackend:
         return "logprobs" in self._outputs
 
     async def settings(self) -> dict:
-        """The engine model's configured parameters among SHOWN_SETTINGS (typed: ints, floats,
-        booleans), read once; {} while the engine model's config cannot be read."""
+        """The engine model's configured parameters among SHOWN_SETTINGS, typed as the engine
+        types them (EngineConfig's and AdmissionConfig's fields), read once; {} while the
+        engine model's config cannot be read."""
         if self._settings is None:
             try:
                 cfg = (await self._grpc().get_model_config(self.engine_model,
                                                            as_json=True))["config"]
             except InferenceServerException:
                 return {}
-            params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
-            self._settings = {k: _typed(params[k]) for k in SHOWN_SETTINGS
-                              if params.get(k, "") != ""}
+            params = parameters_of(cfg)
+            self._settings = {k: convert_parameter(k, params[k], _HINTS.get(k, "str"))
+                              for k in SHOWN_SETTINGS if k in params}
         return self._settings
 
     def _tensor(self, name: str, dtype: str, values: list) -> grpcclient.InferInput:
@@ -196,19 +206,6 @@ class TritonBackend:
                 # The client went away (or we failed): cancelling the gRPC call makes Triton cancel
                 # the request, and the engine aborts it and frees its KV blocks.
                 stream.cancel()
-
-
-def _typed(text: str):
-    """A config parameter's text as the JSON value it reads as: 16 -> 16, "0.5" -> 0.5,
-    "true" -> True; anything else stays text."""
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def _fits(value, dtype: str) -> bool:
