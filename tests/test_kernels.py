@@ -796,3 +796,62 @@ def test_single_sequence_prefill_graph_matches_eager(tmp_path):
         assert replayed.shape == eager.shape == (1, 160) and not torch.isnan(replayed).any()
         assert torch.allclose(replayed, eager, rtol=1e-4, atol=1e-4), (start, q_len)
     llm.engine.shutdown()
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_verification_of_drafts_replays_a_prefill_graph(tmp_path):
+    """With speculative decoding (k = 5) a verification step (each sequence's last token and
+    its drafts after a cached context) replays a prefill graph (one sequence: the 8-token one;
+    three: the 4-sequence one, a row without drafts among them) and gives the eager step's
+    logits at every 1 + k rows; the engine's greedy output with drafts equals the output
+    without, and its verifications ran in graphs."""
+    import json
+
+    import numpy as np
+
+    from pagedbackend import LLM, SamplingParams
+    from pagedbackend.testing import TINY_CONFIGS
+    from pagedbackend.worker.step_inputs import HostInputs
+    cfg = dict(TINY_CONFIGS["llama"], architectures=["LlamaForCausalLM"], model_type="llama",
+               max_position_embeddings=2048)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4, max_model_len=1024,
+              num_kv_blocks=512, load_format="dummy", speculative_config=spec)
+    runner = llm.engine.runner
+    graphs = runner.prefill_graphs
+    assert graphs.rows == 6 and graphs.buckets[0] == 8 and graphs.seq_buckets == [2, 4]
+    with torch.no_grad():
+        for name, p in runner.model.named_parameters():
+            if "norm" not in name:
+                p.mul_(60)
+    bs, rng = runner.block_size, np.random.default_rng(1)
+    # one sequence (the 8-token graph), then three (the 4-sequence graph; one has no drafts)
+    for starts, ks in [([40], [5]), ([40], [2]), ([130], [5]), ([40, 70, 130], [5, 0, 2])]:
+        n, starts, ks = len(starts), np.array(starts), np.array(ks)
+        table = (np.arange(n * 64, dtype=np.int32) + 100).reshape(n, 64)   # no request's
+        runner.forward_logits(HostInputs(
+            rng.integers(0, 160, starts.sum()), np.concatenate([np.arange(s) for s in starts]),
+            starts, np.zeros(n, np.int64), table, list(range(n)), bs), graphs=False)
+        h = HostInputs(rng.integers(0, 160, (1 + ks).sum()),
+                       np.concatenate([np.arange(s, s + 1 + k) for s, k in zip(starts, ks)]),
+                       1 + ks, starts, table, list(range(n)), bs, num_drafts=ks)
+        eager = runner.forward_logits(h, graphs=False).clone()
+        before = graphs.replays
+        replayed = runner.forward_logits(h).clone()
+        assert graphs.replays == before + 1
+        assert replayed.shape == eager.shape == ((1 + ks).sum(), 160)
+        assert torch.allclose(replayed, eager, rtol=1e-4, atol=1e-4), (starts, ks)
+    prompt = {"prompt_token_ids": [int(t) for t in rng.integers(1, 160, 6)] * 5}
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    eng = llm.engine
+    with_drafts = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert eng.drafter.stats.num_drafts > 0
+    steps = dict(runner.path_steps)
+    drafter, eng.drafter = eng.drafter, None
+    without = llm.generate([prompt], params)[0].outputs[0].token_ids
+    eng.drafter = drafter
+    assert with_drafts == without
+    assert steps["prefill_graph"] >= drafter.stats.num_drafts
+    eng.shutdown()

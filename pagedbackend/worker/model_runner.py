@@ -139,9 +139,12 @@ class ModelRunner:
                                        self.config.max_num_seqs, max_model_len, self.block_size)
             self.graphs.capture()
             if cuda_graph.PREFILL_GRAPHS:
+                spec = self.config.speculative_config
                 self.prefill_graphs = PrefillGraphs(
                     self.model, self.kv_caches, self.device, max_num_batched_tokens,
-                    max_model_len, self.block_size, self.graphs.pool)
+                    max_model_len, self.block_size, self.graphs.pool,
+                    rows=1 + spec.num_speculative_tokens if spec is not None else 1,
+                    max_seqs=self.config.max_num_seqs)
                 self.prefill_graphs.capture()
         if self.device.type == "cuda":
             self.warmup(max_model_len)
@@ -251,8 +254,8 @@ class ModelRunner:
             self.host_kv.swap(*h.swaps)
         # the graphs compute only the sampling rows' logits, not prompt logprobs (a one-token
         # chunk of a prompt can make a step of single tokens)
-        graphs = graphs and not len(h.plp_idx) and not h.num_drafts
-        if graphs and self.graphs is not None and h.decode_only \
+        graphs = graphs and not len(h.plp_idx)
+        if graphs and self.graphs is not None and h.decode_only and not h.num_drafts \
                 and self.graphs.bucket(len(h.tokens)):
             self.path_steps["decode_graph"] += 1
             # The graph's static int32 buffers take the int64 uploads by copy (no casts here).
@@ -261,11 +264,13 @@ class ModelRunner:
             # One token per row, so the logits indices are the sampling rows (already on the
             # device: indexing with the host list would be a blocking copy).
             return logits if len(h.sample_rows) == len(h.tokens) else logits.index_select(0, rows)
-        if graphs and self.prefill_graphs is not None and len(h.q_lens) == 1 \
-                and h.sample_rows and self.prefill_graphs.bucket(len(h.tokens)):
+        # one sequence's prefill, or a verification of drafts (1 + k logits rows a sequence)
+        if graphs and self.prefill_graphs is not None and h.sample_rows \
+                and (len(h.q_lens) == 1 or h.num_drafts) \
+                and self.prefill_graphs.bucket(len(h.q_lens), len(h.tokens), len(h.logits_idx)):
             self.path_steps["prefill_graph"] += 1
-            tokens, positions, slots, _, seq_lens, table, rows = self._upload_step(h)
-            return self.prefill_graphs.run(tokens, positions, slots, seq_lens, table, rows)
+            tokens, positions, slots, cu, seq_lens, table, rows = self._upload_step(h)
+            return self.prefill_graphs.run(tokens, positions, slots, cu, seq_lens, table, rows)
         mixed = not h.decode_only and bool((h.q_lens == 1).any())
         self.path_steps["mixed_eager" if mixed else "eager"] += 1
         inputs = self.to_device(h)
