@@ -217,6 +217,34 @@ def test_async_scheduling_with_drafts_equals_without(ckpts):
     no_leak(llm)
 
 
+def test_rejected_drafts_back_off_and_output_is_unchanged(ckpts):
+    """Drafts that are never accepted: with backoff (the default) a request sits out 1, 2, 4,
+    8, 8, ... proposal rounds after each verification that accepted nothing, so 40 tokens
+    take 7 verifications instead of 40; without it every step verifies. Output unchanged."""
+    batch = repeating_prompts(8, count=1)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    _, ref = run(ckpts["llama"], batch, params)
+
+    class Wrong:        # drafts this model's greedy run never picks (checked below)
+        def propose(self, token_ids, k):
+            return [VOCAB - 1 - (token_ids[-1] % 2)] * k
+
+    counts = {}
+    for backoff in (True, False):
+        llm = LLM(ckpts["llama"], dtype="float32", speculative_config=dict(NGRAM, backoff=backoff))
+        llm.engine.drafter.proposer = Wrong()
+        got = [[(o.token_ids, o.finish_reason) for o in r.outputs]
+               for r in llm.generate(batch, params)]
+        assert got == ref
+        st = llm.engine.drafter.stats
+        assert st.num_accepted_tokens == 0 or not backoff
+        counts[backoff] = st.num_drafts
+        no_leak(llm)
+    # each verification gives one token (none accepted): 40 tokens, 1 + 1 + 2 + 4 + 8 + 8 + 8
+    # rounds sat out after the first 6 misses (the first token comes from the prefill)
+    assert counts[False] >= 35 and counts[True] <= 8, counts
+
+
 def test_disable_by_batch_size_turns_drafts_off(ckpts):
     batch = repeating_prompts(6, count=4)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 8, 24, 24)]

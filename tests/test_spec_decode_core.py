@@ -28,6 +28,7 @@ from pagedbackend.spec_decode.verify import rejection_sample
                                                        r"must be <= prompt_lookup_max=2"),
     ({"prompt_lookup_max": 0}, r"prompt_lookup_max=0 is invalid"),
     ({"disable_by_batch_size": 0}, r"disable_by_batch_size=0 is invalid"),
+    ({"backoff": "yes"}, r"speculative_config.backoff='yes' is invalid: must be true or false"),
     ({"n_predict": 5}, r"speculative_config.n_predict is invalid: must be one of"),
     ("{not json", r"speculative_config='\{not json' is invalid: must be a JSON object"),
     (5, r"speculative_config=5 is invalid: must be a dict"),
@@ -241,3 +242,22 @@ def test_spec_decode_counters_publish_the_growth_of_the_engine_totals():
     plain = FakeFamilies()
     ServingMetrics(plain, "m")
     assert not any("spec_decode" in name for name, _ in plain.metrics)
+
+
+def test_backoff_doubles_the_rounds_sat_out_and_an_acceptance_ends_it():
+    from pagedbackend.spec_decode.drafter import BACKOFF_MAX, Backoff
+    b = Backoff()
+    req, other = SimpleNamespace(request_id="a"), SimpleNamespace(request_id="a")
+    sat = []
+    for _ in range(6):          # six verifications in a row that accept nothing
+        b.verified(req, 0)
+        n = 0
+        while b.sits_out(req):
+            n += 1
+        sat.append(n)
+    assert sat == [1, 2, 4, 8, 8, 8] and BACKOFF_MAX == 8
+    b.verified(req, 0)
+    assert not b.sits_out(other)        # a new request reusing the id is not held back
+    assert b.sits_out(req)
+    b.verified(req, 2)                  # an accepted draft ends the backoff
+    assert not b.sits_out(req)

@@ -23,13 +23,18 @@ class SpeculativeConfig:
     occurrence of its last n tokens, n from prompt_lookup_max down to prompt_lookup_min) or
     `draft_model` (a smaller model in `model` proposes greedily). Both None: 5 and 5, as vLLM;
     one None takes the other's value. disable_by_batch_size: no drafts in a step while this
-    many requests or more are queued or running (None: never off)."""
+    many requests or more are queued or running (None: never off). backoff (not a vLLM
+    field): a request whose drafts a verification rejects all of sits out 1, 2, 4 then 8
+    proposal rounds (doubling with each such verification in a row, reset by one that accepts
+    a draft), so text the proposer cannot predict costs few verifications (False: every
+    round proposes)."""
     method: str = "ngram"
     num_speculative_tokens: int = 5
     prompt_lookup_min: Optional[int] = None
     prompt_lookup_max: Optional[int] = None
     model: Optional[str] = None
     disable_by_batch_size: Optional[int] = None
+    backoff: bool = True
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", self.method, f"one of {METHODS}")
@@ -53,6 +58,7 @@ class SpeculativeConfig:
         _check(self.disable_by_batch_size is None
                or _is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1,
                "disable_by_batch_size", self.disable_by_batch_size, "None or an integer >= 1")
+        _check(isinstance(self.backoff, bool), "backoff", self.backoff, "true or false")
 
     @classmethod
     def make(cls, value: Any) -> Optional["SpeculativeConfig"]:

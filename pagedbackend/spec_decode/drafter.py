@@ -17,6 +17,9 @@ from pagedbackend.spec_decode.ngram import NgramProposer
 # After a proposal round without drafts, the rounds that wait for a step in flight come
 # this many steps apart.
 PROBE_EVERY = 4
+# The most proposal rounds a request sits out after verifications that accepted none of its
+# drafts (SpeculativeConfig.backoff).
+BACKOFF_MAX = 8
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Drafter:
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
         self.idle_rounds = 0        # proposal rounds in a row that found no drafts
         self.waited = 0             # steps since the last round
+        self.backoff = Backoff() if config.backoff else None
 
     def should_probe(self) -> bool:
         """With a step in flight, a proposal waits for it (no async overlap): after rounds
@@ -92,6 +96,8 @@ class Drafter:
         found = False
         for req in running:
             k = self.num_drafts(req)
+            if k and self.backoff is not None and self.backoff.sits_out(req):
+                k = 0
             if not k:
                 req.spec_token_ids = []
             elif self.proposer is not None:
@@ -121,6 +127,8 @@ class Drafter:
             if not s.spec_token_ids:
                 continue
             n = len(accepted.get(s.request.request_id, ()))
+            if self.backoff is not None:
+                self.backoff.verified(s.request, n)
             st.num_drafts += 1
             st.num_draft_tokens += len(s.spec_token_ids)
             st.num_accepted_tokens += n
@@ -128,3 +136,34 @@ class Drafter:
                 st.accepted_per_pos[i] += 1
             if self.draft_runner is not None:
                 self.draft_runner.verified(s.request, n, s.start)
+
+
+class Backoff:
+    """Per request: after a verification that accepted none of its drafts, the next 1, 2, 4,
+    ... BACKOFF_MAX proposal rounds give it none (doubling while its verifications keep
+    accepting nothing); one that accepts a draft ends it. At batch 1 on the H200 a
+    verification of 1 + 5 tokens takes longer than the decode step it replaces, so drafts that
+    are always rejected would slow a request down every step (perf/RESULTS.md)."""
+
+    def __init__(self):
+        # request id -> (the Request, verifications in a row that accepted nothing, rounds
+        # still to sit out); ids can be reused, so the Request is kept to tell them apart
+        self.state: dict[str, tuple[Request, int, int]] = {}
+
+    def sits_out(self, req: Request) -> bool:
+        entry = self.state.get(req.request_id)
+        if entry is None or entry[0] is not req or not entry[2]:
+            return False
+        self.state[req.request_id] = (req, entry[1], entry[2] - 1)
+        return True
+
+    def verified(self, req: Request, num_accepted: int) -> None:
+        if num_accepted:
+            self.state.pop(req.request_id, None)
+            return
+        entry = self.state.get(req.request_id)
+        misses = entry[1] + 1 if entry is not None and entry[0] is req else 1
+        self.state[req.request_id] = (req, misses, min(1 << (misses - 1), BACKOFF_MAX))
+        if len(self.state) > 4096:      # finished requests' entries: drop the oldest half
+            for rid in list(self.state)[:2048]:
+                del self.state[rid]
