@@ -4,11 +4,12 @@ drafter switched off for the baseline, so the same kernels and tile choices).
 GPU (default; llama-3.1-8b dummy weights, 128-token prompts, 128 output tokens, greedy):
   ceiling   batch 1, n-gram k=5 on a prompt made to repeat (the prompt followed by the model's
             own answer to it, so the answer repeats), against W1 on the same prompt
-  reject    batch 1, drafts that are never accepted (k random tokens): the overhead
+  reject    batch 1, drafts that are never accepted (k random tokens): the overhead, with the
+            backoff (the default) and without it (every round verifies)
   no-drafts batch 1, a proposer that finds nothing: the cost of the drafter being on
   draft     batch 1, a draft model identical to the target (acceptance 100%, the mechanism
             alone: the draft costs as much as the target, so no speed-up is expected)
-  batch     batch 1, 4, 16, 64 with n-gram drafts on repeating prompts: where it stops paying
+  batch     batch 1, 4, 16, 32, 64 with n-gram drafts on repeating prompts: where it stops paying
 CPU (--cpu; SmolLM2-135M-Instruct, real weights): n-gram drafts on "repeat / edit this
 paragraph" chat prompts, acceptance rate and speed-up against no speculation.
 Prints a table last; writes perf/results/spec_decode-<model>-<gpu>.json."""
@@ -89,6 +90,7 @@ def gpu(a):
     import torch
 
     from pagedbackend import LLM
+    from pagedbackend.spec_decode.drafter import Backoff
     from pagedbackend.spec_decode.ngram import NgramProposer
     model_dir = a.model if os.path.isdir(a.model) else dummy_model_dir(a.model)
     kw = dict(load_format="dummy", max_model_len=4096, num_kv_blocks=a.num_kv_blocks,
@@ -109,11 +111,16 @@ def gpu(a):
     b = generate(llm, rep[:1], a.output_len, False, ngram)
     s = generate(llm, rep[:1], a.output_len, True, ngram)
     rows.append(row("ceiling-ngram", 1, b[:2], s[:2], s[2], k))
-    # overhead: drafts never accepted, k = 5 and k = 1
-    for kk in (5, 1):
+    # overhead: drafts never accepted, k = 5 with the backoff (the default: a request whose
+    # drafts were all rejected sits out proposal rounds), then k = 5 and k = 1 without it
+    # (every round verifies: the cost of a verification against a decode step)
+    for kk, backoff in ((5, True), (5, False), (1, False)):
         ngram.proposer, ngram.k = RandomProposer(llm.engine.info.vocab_size), kk
+        ngram.backoff = Backoff() if backoff else None
         s = generate(llm, rep[:1], a.output_len, True, ngram)
-        rows.append(row("reject-all", 1, b[:2], s[:2], s[2], kk))
+        rows.append(row("reject-all" + ("" if backoff else "-nobackoff"), 1, b[:2], s[:2],
+                        s[2], kk))
+    ngram.backoff = Backoff()
     # a proposer that finds nothing: the cost of the drafter being on (rounds that wait for
     # the step in flight, every drafter.PROBE_EVERY steps)
     ngram.proposer, ngram.k = NoProposer(), k
@@ -123,7 +130,7 @@ def gpu(a):
     if a.quick:
         return rows
     # batch sizes: where n-gram speculation stops paying
-    for batch in (1, 4, 16, 64):
+    for batch in (1, 4, 16, 32, 64):
         b = generate(llm, rep[:batch], a.output_len, False, ngram)
         s = generate(llm, rep[:batch], a.output_len, True, ngram)
         rows.append(row("ngram", batch, b[:2], s[:2], s[2], k))

@@ -46,22 +46,29 @@ class DraftRunner:
         self.runner.allocate_kv_cache(target.num_kv_blocks)
         self.block_size = engine_config.block_size
         if self.runner.device.type == "cuda":
-            self._capture(engine_config, engine.info.max_model_len)
+            self._capture(engine_config, engine.info)
         self.scheduler = engine.scheduler
         # request id -> (valid, its num_preemptions then, the Request): ids can be reused
         self.valid: dict[str, tuple[int, int, Any]] = {}
 
-    def _capture(self, engine_config: Any, max_model_len: int) -> None:
-        """CUDA graphs for the draft's one-token steps (k - 1 of them per proposal), and its
+    def _capture(self, engine_config: Any, info: Any) -> None:
+        """CUDA graphs for the draft's one-token steps (k - 1 of them per proposal) and for
+        one sequence's catch-up (the tokens a verification accepted, or its prompt), and its
         kernels compiled now rather than during the first request."""
         from pagedbackend.kernels.common import COMPILES
-        from pagedbackend.worker.cuda_graph import DecodeGraphs
-        r = self.runner
+        from pagedbackend.worker import cuda_graph
+        r, max_model_len = self.runner, info.max_model_len
         COMPILES.disarm()
         if not engine_config.enforce_eager:
-            r.graphs = DecodeGraphs(r.model, r.kv_caches, r.device, engine_config.max_num_seqs,
-                                    max_model_len, self.block_size)
+            r.graphs = cuda_graph.DecodeGraphs(r.model, r.kv_caches, r.device,
+                                               engine_config.max_num_seqs, max_model_len,
+                                               self.block_size)
             r.graphs.capture()
+            if cuda_graph.PREFILL_GRAPHS:
+                r.prefill_graphs = cuda_graph.PrefillGraphs(
+                    r.model, r.kv_caches, r.device, info.max_num_batched_tokens,
+                    max_model_len, self.block_size, r.graphs.pool)
+                r.prefill_graphs.capture()
         r.warmup(max_model_len)
         COMPILES.arm()
 
@@ -120,7 +127,7 @@ class DraftRunner:
         h = HostInputs(np.asarray(tokens, np.int64), positions, q, st, table,
                        list(range(len(rows))), bs, ph_dst, ph_src)
         self.runner.prev_sampled = prev
-        logits = self.runner.forward_logits(h, graphs=tokens is None or len(tokens) == len(rows))
+        logits = self.runner.forward_logits(h)
         return logits.argmax(dim=-1)
 
     def verified(self, req: Any, num_accepted: int, start: int) -> None:
