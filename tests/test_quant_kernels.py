@@ -66,6 +66,41 @@ def test_packed_gemv_matches_dequantize_then_matmul(cfg, bits, group, dtype):
         assert rel_err(y, ref) < tol, m
 
 
+# SPLIT tiles (4-bit nibbles as two tiles): the first candidate (at K 256 one iteration of
+# several groups) and a small one that loops (128 columns an iteration, two pieces at group 64)
+SPLIT, SPLIT_SMALL = gemv_w4.SPLIT_CANDIDATES[0], (8, 128, 2, 3, False, True)
+
+
+@pytest.mark.parametrize("cfg", [SPLIT, SPLIT_SMALL], ids=["split", "split_small"])
+@pytest.mark.parametrize("group", [128, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_tiles_match_dequantize_then_matmul(cfg, group, dtype):
+    """The nibble-split tiles at 1 row (no bias, then bias) and 2-8 rows, as the byte tiles are
+    compared above: fp32 within 1e-5 (the sums round differently from x * w per weight, see
+    _nibbles_piece), bf16 within 1e-2."""
+    n, k = (6144, 4096) if CUDA else (72, 256)      # N not a multiple of every BLOCK_N
+    pw = packed_weight(n, k, 4, group)
+    w = torch_dequantize(pw)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for m, with_bias in ((1, False), (1, True), (2, False), (5, True), (8, False)):
+        x = torch.randn(m, k, device=DEV).to(dtype)
+        b = torch.randn(n, device=DEV).to(dtype) if with_bias else None
+        y = gemv_w4.packed_gemv(x, pw, b, cfg)
+        assert y.shape == (m, n) and y.dtype == dtype
+        ref = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
+        assert rel_err(y, ref) < tol, (m, with_bias)
+
+
+def test_split_tiles_are_4_bit_only():
+    pw8 = packed_weight(40, 128, 8, 64)
+    x = torch.randn(1, 128, device=DEV).bfloat16()
+    with pytest.raises(AssertionError, match="4-bit"):
+        gemv_w4.packed_gemv(x, pw8, None, SPLIT)
+    tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
+    assert set(gemv_w4.SPLIT_CANDIDATES) <= set(tuning._tiles(1, packed_weight(40, 128, 4, 64)))
+    assert not set(gemv_w4.SPLIT_CANDIDATES) & set(tuning._tiles(1, pw8) + tuning._tiles(4, pw8))
+
+
 def test_block_k_stays_inside_a_group():
     assert gemv_w4._block_k(128, 128) == 128 and gemv_w4._block_k(128, 64) == 64
     assert gemv_w4._block_k(128, 48) == 16 and gemv_w4._block_k(64, 256) == 64
@@ -117,8 +152,8 @@ def test_packed_gemm_tiles_rows(bits, group):
         assert rel_err(y, x.float() @ w.t() + b.float()) < 1e-2, cfg
 
 
-@pytest.mark.parametrize("cfg", [gemv_w4.CANDIDATES[1], gemv_w4.DOT_CANDIDATES[1]],
-                         ids=["fma", "dot"])
+@pytest.mark.parametrize("cfg", [gemv_w4.CANDIDATES[1], gemv_w4.DOT_CANDIDATES[1], SPLIT],
+                         ids=["fma", "dot", "split"])
 def test_packed_gemv_prologues(cfg):
     """gemv.py's prologues inside the W4A16 kernel: residual add + RMSNorm (the sum written
     once), RMSNorm alone, SiLU(gate) * up, each against the separate op then the matmul."""

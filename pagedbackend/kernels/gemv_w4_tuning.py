@@ -21,7 +21,7 @@ import triton
 
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL
 from pagedbackend.kernels.gemv_w4 import (CANDIDATES, DOT_CANDIDATES, GEMM_CANDIDATES,
-                                          MAX_GEMM_ROWS, MAX_ROWS,
+                                          MAX_GEMM_ROWS, MAX_ROWS, SPLIT_CANDIDATES,
                                           _block_k, packed_gemv)
 
 logger = logging.getLogger("pagedbackend")
@@ -99,12 +99,14 @@ def _config(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
 
 def _tiles(rows: int, pw) -> tuple:
     # broadcast products of several rows hold rows x BLOCK_N x piece fp32 partial sums: only
-    # tiles that keep them to <= 64 registers a thread
+    # tiles that keep them to <= 64 registers a thread (SPLIT tiles hold half as many: the
+    # same bound, with room to spare); SPLIT tiles read 4-bit codes only
     if rows > MAX_ROWS:
         return GEMM_CANDIDATES
+    fma = CANDIDATES + (SPLIT_CANDIDATES if pw.bits == 4 else ())
     if rows == 1:
-        return CANDIDATES
-    return tuple(c for c in CANDIDATES
+        return fma
+    return tuple(c for c in fma
                  if rows * c[0] * _block_k(c[1], pw.group_size) <= 64 * 32 * c[2]) \
         + DOT_CANDIDATES
 
