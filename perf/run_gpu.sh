@@ -136,7 +136,7 @@ for s in $stages; do
     # verification steps in prefill CUDA graphs against eager steps, and the engine's
     # speculative-decoding tests on the GPU (tiny models, fp32: greedy output with drafts ==
     # without, aborts, preemption, seeded sampling), ~2 min
-    spectests) run spectests 200 python3 -m pytest -q tests/test_spec_decode.py tests/test_kernels.py -k "prefill_graph or verification_of_drafts or spec" ;;
+    spectests) run spectests 200 python3 -m pytest -q tests/test_spec_decode.py tests/test_kernels.py::test_single_sequence_prefill_graph_matches_eager tests/test_kernels.py::test_verification_of_drafts_replays_a_prefill_graph ;;
     # the batch-1 cases in fp32: do greedy outputs with and without speculation agree when
     # bf16 rounding is out of the way (call 50: they differed in bf16 on random weights)
     specfp32) run specfp32 300 python3 perf/spec_decode.py --dtype float32 --quick --skip-draft ;;
