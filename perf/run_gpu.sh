@@ -160,6 +160,11 @@ for s in $stages; do
     # took 64 s in call 16, which left a 250 s budget no room for the Triton runs)
     servefast) run serve 340 env RATES="inf 16" ENGINE_RATES="" SKIP_PA=1 BUDGET_S=330 \
                  bash perf/w4_gpu.sh ;;
+    # issue 27: W4 with fp8 weights + fp8 KV through Triton at rates inf and 16, offline too
+    # (goals >= 60 req/s at inf, median TPOT <= 8 ms at 16); needs models/dummy/llama-3.1-8b
+    servefp8) run servefp8 400 env RATES="inf 16" ENGINE_RATES="" SKIP_PA=1 BUDGET_S=390 \
+                NAME=llama-3.1-8b-fp8 EXTRA_SETTINGS="quantization=fp8 kv_cache_dtype=fp8" \
+                bash perf/w4_gpu.sh ;;
     # W4 with the repository's defaults at rates inf, 16, 4 and offline (no perf_analyzer, no
     # engine-model runs)
     servequick) run serve 420 env RATES="inf 16 4" ENGINE_RATES="" SKIP_PA=1 BUDGET_S=400 \
