@@ -109,6 +109,8 @@ for s in $stages; do
     # dequantize + cuBLAS and bf16 cuBLAS at llama-3.1-8b's four matmuls, ~40 s
     w4bench) run w4bench 240 python3 perf/kernels_bench.py --only w4 ;;
     w1quant) run w1quant 540 python3 perf/w1_decode.py --ab awq,gptq,int8 ;;
+    # W1 bf16 then AWQ only (the tuner now also times the split-nibble tiles), ~2.5 min
+    w1awq) run w1awq 300 python3 perf/w1_decode.py --ab awq ;;
     w2awq) run w2awq 480 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
     # greedy output on AWQ / GPTQ (act order) checkpoints of the tiny models vs transformers on
     # their dequantized weights, in fp32 (the kernels' arithmetic: all 256 tokens should agree)
