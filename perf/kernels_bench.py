@@ -342,6 +342,7 @@ def _best_w4_tile(tiles, x, pw) -> tuple[float, tuple | None]:
             print(f"w4 tile {cfg}: failed: {type(e).__name__}: {e}"[:300])
     return best
 
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also try a few tile configs")

@@ -56,20 +56,11 @@ class DraftRunner:
         one sequence's catch-up (the tokens a verification accepted, or its prompt), and its
         kernels compiled now rather than during the first request."""
         from pagedbackend.kernels.common import COMPILES
-        from pagedbackend.worker import cuda_graph
-        r, max_model_len = self.runner, info.max_model_len
+        r = self.runner
         COMPILES.disarm()
-        if not engine_config.enforce_eager:
-            r.graphs = cuda_graph.DecodeGraphs(r.model, r.kv_caches, r.device,
-                                               engine_config.max_num_seqs, max_model_len,
-                                               self.block_size)
-            r.graphs.capture()
-            if cuda_graph.PREFILL_GRAPHS:
-                r.prefill_graphs = cuda_graph.PrefillGraphs(
-                    r.model, r.kv_caches, r.device, info.max_num_batched_tokens,
-                    max_model_len, self.block_size, r.graphs.pool)
-                r.prefill_graphs.capture()
-        r.warmup(max_model_len)
+        if not engine_config.enforce_eager:     # its config has no speculative_config
+            r.capture_graphs(info.max_num_batched_tokens, info.max_model_len)
+        r.warmup(info.max_model_len)
         COMPILES.arm()
 
     def _valid(self, req: Any) -> int:

@@ -224,14 +224,15 @@ class PrefillGraphs:
         return next(((b, b * self.rows) for b in self.seq_buckets
                      if b >= num_seqs and b * self.rows >= need), None)
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            cu: torch.Tensor, seq_lens: torch.Tensor, table: torch.Tensor,
+    def run(self, key: tuple[int, int], tokens: torch.Tensor, positions: torch.Tensor,
+            slots: torch.Tensor, cu: torch.Tensor, seq_lens: torch.Tensor, table: torch.Tensor,
             logits_index: torch.Tensor) -> torch.Tensor:
-        """Replay the graph for the step (inputs on the device: cu [n + 1] the sequences' token
-        offsets, seq_lens [n], table [n, w], logits_index [r]: the rows whose logits are
-        wanted); returns their logits [r, vocab], valid until the next replay of any graph."""
+        """Replay graph `key` (bucket()'s answer for the step; inputs on the device: cu [n + 1]
+        the sequences' token offsets, seq_lens [n], table [n, w], logits_index [r]: the rows
+        whose logits are wanted); returns their logits [r, vocab], valid until the next replay
+        of any graph."""
         t, n, r = tokens.shape[0], seq_lens.shape[0], logits_index.shape[0]
-        pb, pt = self.bucket(n, t, r)
+        pb, pt = key
         self.input_ids[:t].copy_(tokens, non_blocking=True)
         self.positions[:t].copy_(positions, non_blocking=True)
         self.slot_mapping[:t].copy_(slots, non_blocking=True)

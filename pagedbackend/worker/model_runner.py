@@ -135,22 +135,27 @@ class ModelRunner:
             self.host_kv = host_kv.HostKVCache(self.kv_cache, self.num_host_blocks, staging,
                                                self.config.swap_space)
         if self.device.type == "cuda" and not self.config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
-                                       self.config.max_num_seqs, max_model_len, self.block_size)
-            self.graphs.capture()
-            if cuda_graph.PREFILL_GRAPHS:
-                spec = self.config.speculative_config
-                self.prefill_graphs = PrefillGraphs(
-                    self.model, self.kv_caches, self.device, max_num_batched_tokens,
-                    max_model_len, self.block_size, self.graphs.pool,
-                    rows=1 + spec.num_speculative_tokens if spec is not None else 1,
-                    max_seqs=self.config.max_num_seqs)
-                self.prefill_graphs.capture()
+            self.capture_graphs(max_num_batched_tokens, max_model_len)
         if self.device.type == "cuda":
             self.warmup(max_model_len)
             from pagedbackend.kernels.common import COMPILES
             COMPILES.arm()      # from here on, a kernel compile is logged as a warning
         return num_blocks
+
+    def capture_graphs(self, max_num_batched_tokens: int, max_model_len: int) -> None:
+        """The decode graphs, then (unless PAGEDBACKEND_PREFILL_GRAPHS=0) the prefill graphs,
+        which with speculative decoding also verify 1 + k tokens a sequence."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
+                                   self.config.max_num_seqs, max_model_len, self.block_size)
+        self.graphs.capture()
+        if cuda_graph.PREFILL_GRAPHS:
+            spec = self.config.speculative_config
+            self.prefill_graphs = PrefillGraphs(
+                self.model, self.kv_caches, self.device, max_num_batched_tokens,
+                max_model_len, self.block_size, self.graphs.pool,
+                rows=1 + spec.num_speculative_tokens if spec is not None else 1,
+                max_seqs=self.config.max_num_seqs)
+            self.prefill_graphs.capture()
 
     def _host_tier_staging(self, per_block: int) -> Optional[torch.Tensor]:
         """With swap_space: check the host can hold the tier, and make the device's staging
@@ -265,12 +270,14 @@ class ModelRunner:
             # device: indexing with the host list would be a blocking copy).
             return logits if len(h.sample_rows) == len(h.tokens) else logits.index_select(0, rows)
         # one sequence's prefill, or a verification of drafts (1 + k logits rows a sequence)
-        if graphs and self.prefill_graphs is not None and h.sample_rows \
-                and (len(h.q_lens) == 1 or h.num_drafts) \
-                and self.prefill_graphs.bucket(len(h.q_lens), len(h.tokens), len(h.logits_idx)):
+        key = self.prefill_graphs.bucket(len(h.q_lens), len(h.tokens), len(h.logits_idx)) \
+            if graphs and self.prefill_graphs is not None and h.sample_rows \
+            and (len(h.q_lens) == 1 or h.num_drafts) else None
+        if key is not None:
             self.path_steps["prefill_graph"] += 1
             tokens, positions, slots, cu, seq_lens, table, rows = self._upload_step(h)
-            return self.prefill_graphs.run(tokens, positions, slots, cu, seq_lens, table, rows)
+            return self.prefill_graphs.run(key, tokens, positions, slots, cu, seq_lens, table,
+                                           rows)
         mixed = not h.decode_only and bool((h.q_lens == 1).any())
         self.path_steps["mixed_eager" if mixed else "eager"] += 1
         inputs = self.to_device(h)
