@@ -133,12 +133,14 @@ for s in $stages; do
     ttftlong) run ttftlong 240 python3 perf/ttft_long.py --ab pagedkv ;;
     # speculative decoding against none in one process (perf/spec_decode.py): batch 1 n-gram
     # ceiling on a repeating prompt, drafts all rejected (overhead, k = 5 and 1), batch 1-64,
-    # a draft model = the target; ~4-5 min
-    specdecode) run specdecode 540 python3 perf/spec_decode.py ;;
+    # a draft model = the target, a host profile of verification steps; ~2 min
+    specdecode) run specdecode 540 python3 perf/spec_decode.py --pyprofile ;;
     # verification steps in prefill CUDA graphs against eager steps, and the engine's
     # speculative-decoding tests on the GPU (tiny models, fp32: greedy output with drafts ==
     # without, aborts, preemption, seeded sampling), ~2 min
-    spectests) run spectests 200 python3 -m pytest -q tests/test_spec_decode.py tests/test_kernels.py::test_single_sequence_prefill_graph_matches_eager tests/test_kernels.py::test_verification_of_drafts_replays_a_prefill_graph ;;
+    # (the engine tests build tiny checkpoints with transformers: the image's python, numpy 2)
+    spectests) run spectests 200 python3 -m pytest -q tests/test_kernels.py::test_single_sequence_prefill_graph_matches_eager tests/test_kernels.py::test_verification_of_drafts_replays_a_prefill_graph
+               run spectests-engine 200 "$base_py" -m pytest -q tests/test_spec_decode.py ;;
     # the batch-1 cases in fp32: do greedy outputs with and without speculation agree when
     # bf16 rounding is out of the way (call 50: they differed in bf16 on random weights)
     specfp32) run specfp32 300 python3 perf/spec_decode.py --dtype float32 --quick --skip-draft ;;

@@ -58,14 +58,17 @@ def generate(llm, prompts, max_tokens, spec: bool, drafter, ignore_eos: bool = T
     if drafter is not None:
         drafter.stats = SpecDecodeStats(accepted_per_pos=[0] * drafter.k)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    eng.timing_summary(reset=True)
     outs, secs = timed(llm.generate, [{"prompt_token_ids": p} for p in prompts], params)
     st = drafter.snapshot() if spec and drafter is not None else None
     eng.drafter = drafter
-    return outs, secs, st
+    return outs, secs, st, eng.timing_summary(reset=True)
 
 
 def row(name, batch, base, spec, st, k):
-    (b_out, b_secs), (s_out, s_secs) = base, spec
+    """base / spec: generate()'s results (outputs, seconds, stats, step split)."""
+    (b_out, b_secs), (s_out, s_secs) = base[:2], spec[:2]
+    split = spec[3] if len(spec) > 3 else {}
     tokens = sum(len(o.outputs[0].token_ids) for o in s_out)
     same = [o.outputs[0].token_ids for o in b_out] == [o.outputs[0].token_ids for o in s_out]
     # where the first sequence's outputs part (None: they do not)
@@ -77,13 +80,31 @@ def row(name, batch, base, spec, st, k):
             "speedup": b_secs / s_secs,
             "acceptance": st.acceptance_rate if st else None,
             "tokens_per_verify": (1 + st.num_accepted_tokens / st.num_drafts)
-            if st and st.num_drafts else None, "same_output": same, "first_difference": first}
+            if st and st.num_drafts else None, "same_output": same, "first_difference": first,
+            # per engine step with speculation: wall, device busy (first upload -> ids out)
+            "steps": split.get("steps"), "step_ms": split.get("step_ms"),
+            "gpu_busy_ms": split.get("gpu_busy_ms"),
+            "base_step_ms": base[3].get("step_ms") if len(base) > 3 else None}
 
 
 def repeating(llm, prompts, max_tokens, drafter):
     """Each prompt followed by the model's own greedy answer to it."""
-    outs, _, _ = generate(llm, prompts, max_tokens, False, drafter)
+    outs = generate(llm, prompts, max_tokens, False, drafter)[0]
     return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+
+
+def pyprofile(fn, label: str, top: int = 30) -> None:
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf).sort_stats("cumulative")
+    stats.print_stats(top)
+    print(f"== host profile: {label} ==\n" + buf.getvalue())
+    if os.environ.get("OUT"):
+        stats.dump_stats(os.path.join(os.environ["OUT"], f"pyprofile-{label}.prof"))
 
 
 def gpu(a):
@@ -110,7 +131,7 @@ def gpu(a):
     # ceiling: batch 1, n-gram on a prompt that repeats
     b = generate(llm, rep[:1], a.output_len, False, ngram)
     s = generate(llm, rep[:1], a.output_len, True, ngram)
-    rows.append(row("ceiling-ngram", 1, b[:2], s[:2], s[2], k))
+    rows.append(row("ceiling-ngram", 1, b, s, s[2], k))
     # overhead: drafts never accepted, k = 5 with the backoff (the default: a request whose
     # drafts were all rejected sits out proposal rounds), then k = 5 and k = 1 without it
     # (every round verifies: the cost of a verification against a decode step)
@@ -118,22 +139,27 @@ def gpu(a):
         ngram.proposer, ngram.k = RandomProposer(llm.engine.info.vocab_size), kk
         ngram.backoff = Backoff() if backoff else None
         s = generate(llm, rep[:1], a.output_len, True, ngram)
-        rows.append(row("reject-all" + ("" if backoff else "-nobackoff"), 1, b[:2], s[:2],
-                        s[2], kk))
+        rows.append(row("reject-all" + ("" if backoff else "-nobackoff"), 1, b, s, s[2], kk))
+    if a.pyprofile:
+        # where the host time of a step goes, every step verifying 1 + 1 tokens, then without
+        # drafts (cProfile; the top functions by cumulative time, the full list under $OUT)
+        for spec in (True, False):
+            pyprofile(lambda: generate(llm, rep[:1], a.output_len, spec, ngram),
+                      "verify" if spec else "decode")
     ngram.backoff = Backoff()
     # a proposer that finds nothing: the cost of the drafter being on (rounds that wait for
     # the step in flight, every drafter.PROBE_EVERY steps)
     ngram.proposer, ngram.k = NoProposer(), k
     s = generate(llm, rep[:1], a.output_len, True, ngram)
-    rows.append(row("no-drafts", 1, b[:2], s[:2], s[2], k))
+    rows.append(row("no-drafts", 1, b, s, s[2], k))
     ngram.proposer = NgramProposer(1, 4)
     if a.quick:
         return rows
     # batch sizes: where n-gram speculation stops paying
-    for batch in (1, 4, 16, 32, 64):
+    for batch in (1, 4, 16, 32, 48, 64):
         b = generate(llm, rep[:batch], a.output_len, False, ngram)
         s = generate(llm, rep[:batch], a.output_len, True, ngram)
-        rows.append(row("ngram", batch, b[:2], s[:2], s[2], k))
+        rows.append(row("ngram", batch, b, s, s[2], k))
     del llm, ngram
     gc.collect()
     torch.cuda.empty_cache()
@@ -145,7 +171,7 @@ def gpu(a):
         generate(llm, warm, 16, True, d)
         b = generate(llm, rep[:1], a.output_len, False, d)
         s = generate(llm, rep[:1], a.output_len, True, d)
-        rows.append(row("draft=target", 1, b[:2], s[:2], s[2], k))
+        rows.append(row("draft=target", 1, b, s, s[2], k))
     return rows
 
 
@@ -168,7 +194,7 @@ def cpu(a):
                 for spec in (False, True) * 2]
         b = min(runs[0::2], key=lambda r: r[1])
         s = min(runs[1::2], key=lambda r: r[1])
-        rows.append(row(f"smollm2-task{i}", 1, b[:2], s[:2], s[2], k))
+        rows.append(row(f"smollm2-task{i}", 1, b, s, s[2], k))
         rows[-1]["answer"] = llm.engine.tokenizer.decode(s[0][0].outputs[0].token_ids)[:40]
     return rows
 
@@ -185,6 +211,8 @@ def main():
     ap.add_argument("--dtype", default="bfloat16",
                     help="GPU: the engine's dtype (float32: whether greedy outputs with and "
                          "without speculation part only by bf16 rounding)")
+    ap.add_argument("--pyprofile", action="store_true",
+                    help="GPU: cProfile of the host side of verification and decode steps")
     ap.add_argument("--quick", action="store_true",
                     help="GPU: only batch 1 (ceiling, reject-all, no-drafts)")
     a = ap.parse_args()

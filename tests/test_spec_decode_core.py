@@ -54,7 +54,9 @@ def test_ngram_takes_the_longest_latest_match():
     assert p.propose([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
     assert p.propose([9, 2, 3, 8, 1, 2, 3, 7, 2, 3], 2) == [7, 2]   # latest of the 2-gram
     assert p.propose([1, 2, 3, 4], 3) == []
-    assert p.propose([5, 1, 2, 5], 4) == [1, 2, 5]                  # fewer than k at the end
+    # the match is 3 tokens back: its continuation runs into the end and repeats with period 3
+    assert p.propose([5, 1, 2, 5], 5) == [1, 2, 5, 1, 2]
+    assert p.propose([7, 7, 7], 4) == [7, 7, 7, 7]                 # a token repeated
     assert NgramProposer(2, 2).propose([3, 4, 9, 4], 2) == []       # 1-gram hits not wanted
 
 
@@ -65,7 +67,10 @@ def test_ngram_matches_a_brute_force_search():
         for n in range(min(hi, len(ids) - 1), lo - 1, -1):
             for s in range(len(ids) - n - 1, -1, -1):
                 if ids[s:s + n] == ids[-n:]:
-                    return ids[s + n:s + n + k]
+                    text = list(ids)        # copy token by token: past the end, the copy's own
+                    for i in range(k):      # tokens
+                        text.append(text[s + n + i])
+                    return text[len(ids):]
         return []
     rng = random.Random(0)
     for _ in range(500):

@@ -1,6 +1,9 @@
 """N-gram (prompt lookup) proposer: the tokens that followed the latest earlier occurrence of
 the request's last n tokens, for the largest n in [prompt_lookup_min, prompt_lookup_max] that
-occurs.
+occurs. Where that continuation reaches the request's end before k tokens (the match is less
+than k tokens back: a loop, a list, a line repeated), the copy goes on over the drafts
+themselves, as an overlapping LZ77 copy does: the text is guessed to keep repeating with that
+period instead of the drafts stopping short.
 
 Costs no model: useful where the output repeats its input (editing, extraction, code)."""
 from __future__ import annotations
@@ -33,4 +36,5 @@ class NgramProposer:
                 best = ends[-1]
         if best is None:
             return []
-        return ids[best + 1:best + 1 + k].tolist()
+        # ids[best + 1:] has size - 1 - best >= 1 tokens; np.resize repeats it to k
+        return np.resize(ids[best + 1:best + 1 + k], k).tolist()
