@@ -65,10 +65,9 @@ def generate(llm, prompts, max_tokens, spec: bool, drafter, ignore_eos: bool = T
     return outs, secs, st, eng.timing_summary(reset=True)
 
 
-def row(name, batch, base, spec, st, k):
-    """base / spec: generate()'s results (outputs, seconds, stats, step split)."""
-    (b_out, b_secs), (s_out, s_secs) = base[:2], spec[:2]
-    split = spec[3] if len(spec) > 3 else {}
+def row(name, batch, base, spec, k):
+    """base / spec: generate()'s results (outputs, seconds, acceptance stats, step split)."""
+    (b_out, b_secs, _, b_split), (s_out, s_secs, st, split) = base, spec
     tokens = sum(len(o.outputs[0].token_ids) for o in s_out)
     same = [o.outputs[0].token_ids for o in b_out] == [o.outputs[0].token_ids for o in s_out]
     # where the first sequence's outputs part (None: they do not)
@@ -84,7 +83,7 @@ def row(name, batch, base, spec, st, k):
             # per engine step with speculation: wall, device busy (first upload -> ids out)
             "steps": split.get("steps"), "step_ms": split.get("step_ms"),
             "gpu_busy_ms": split.get("gpu_busy_ms"),
-            "base_step_ms": base[3].get("step_ms") if len(base) > 3 else None}
+            "base_step_ms": b_split.get("step_ms")}
 
 
 def repeating(llm, prompts, max_tokens, drafter):
@@ -131,7 +130,7 @@ def gpu(a):
     # ceiling: batch 1, n-gram on a prompt that repeats
     b = generate(llm, rep[:1], a.output_len, False, ngram)
     s = generate(llm, rep[:1], a.output_len, True, ngram)
-    rows.append(row("ceiling-ngram", 1, b, s, s[2], k))
+    rows.append(row("ceiling-ngram", 1, b, s, k))
     # overhead: drafts never accepted, k = 5 with the backoff (the default: a request whose
     # drafts were all rejected sits out proposal rounds), then k = 5 and k = 1 without it
     # (every round verifies: the cost of a verification against a decode step)
@@ -139,7 +138,7 @@ def gpu(a):
         ngram.proposer, ngram.k = RandomProposer(llm.engine.info.vocab_size), kk
         ngram.backoff = Backoff() if backoff else None
         s = generate(llm, rep[:1], a.output_len, True, ngram)
-        rows.append(row("reject-all" + ("" if backoff else "-nobackoff"), 1, b, s, s[2], kk))
+        rows.append(row("reject-all" + ("" if backoff else "-nobackoff"), 1, b, s, kk))
     if a.pyprofile:
         # where the host time of a step goes, every step verifying 1 + 1 tokens, then without
         # drafts (cProfile; the top functions by cumulative time, the full list under $OUT)
@@ -151,7 +150,7 @@ def gpu(a):
     # the step in flight, every drafter.PROBE_EVERY steps)
     ngram.proposer, ngram.k = NoProposer(), k
     s = generate(llm, rep[:1], a.output_len, True, ngram)
-    rows.append(row("no-drafts", 1, b, s, s[2], k))
+    rows.append(row("no-drafts", 1, b, s, k))
     ngram.proposer = NgramProposer(1, 4)
     if a.quick:
         return rows
@@ -159,7 +158,7 @@ def gpu(a):
     for batch in (1, 4, 16, 32, 48, 64):
         b = generate(llm, rep[:batch], a.output_len, False, ngram)
         s = generate(llm, rep[:batch], a.output_len, True, ngram)
-        rows.append(row("ngram", batch, b, s, s[2], k))
+        rows.append(row("ngram", batch, b, s, k))
     del llm, ngram
     gc.collect()
     torch.cuda.empty_cache()
@@ -171,7 +170,7 @@ def gpu(a):
         generate(llm, warm, 16, True, d)
         b = generate(llm, rep[:1], a.output_len, False, d)
         s = generate(llm, rep[:1], a.output_len, True, d)
-        rows.append(row("draft=target", 1, b, s, s[2], k))
+        rows.append(row("draft=target", 1, b, s, k))
     return rows
 
 
@@ -194,7 +193,7 @@ def cpu(a):
                 for spec in (False, True) * 2]
         b = min(runs[0::2], key=lambda r: r[1])
         s = min(runs[1::2], key=lambda r: r[1])
-        rows.append(row(f"smollm2-task{i}", 1, b, s, s[2], k))
+        rows.append(row(f"smollm2-task{i}", 1, b, s, k))
         rows[-1]["answer"] = llm.engine.tokenizer.decode(s[0][0].outputs[0].token_ids)[:40]
     return rows
 
