@@ -272,9 +272,9 @@ def bench_w4():
     groups of 128: the tuner's choices (the prologue inside the kernel or in its own kernel
     first) against dequantize + cuBLAS and against bf16 cuBLAS on a 16-bit weight of the same
     shape. Graph-timed with the L2 flushed, as the tuner times. Then every one-row tile without a
-    prologue: the byte tiles (gemv_w4.CANDIDATES) against the nibble-split ones
-    (SPLIT_CANDIDATES), the best of each per shape in a table of its own.
-    TB/s: the codes', scales' and zeros' bytes."""
+    prologue: the fp32 nibble-split tiles (gemv_w4.SPLIT_CANDIDATES) against the fp16-pair ones
+    (HALF_CANDIDATES, each also checked against the dequantized weight), the best of each per
+    shape in a table of its own. TB/s: the codes', scales' and zeros' bytes."""
     from pagedbackend.kernels import gemv, gemv_w4, gemv_w4_tuning
     from pagedbackend.kernels.gemv_tuning import _time_us
     from pagedbackend.layers.activation import silu_and_mul
@@ -297,12 +297,13 @@ def bench_w4():
         r, gn = torch.randn(1, k, device=DEVICE, dtype=DT), torch.ones(k, device=DEVICE, dtype=DT)
         xp = x[:, :k].contiguous()
         tbs = lambda t_us: f"{nbytes / (t_us * 1e-6) / 1e12:5.2f} TB/s"    # noqa: E731
-        best = [_best_w4_tile(tiles, xp, pw) for tiles in (gemv_w4.CANDIDATES,
-                                                            gemv_w4.SPLIT_CANDIDATES)]
-        split_table.append((f"{name} N={n} K={k}", *best))
-        row(f"w4 {name} 1-row split {best[1][1]} vs bytes {best[0][1]}", best[1][0] / 1e3,
-            best[0][0] / 1e3, tbs(best[1][0]))
         w16 = pw.dequantize(DT)
+        ref = lin(xp.float(), pw.dequantize(torch.float32))
+        best = [_best_w4_tile(gemv_w4.SPLIT_CANDIDATES, xp, pw),
+                _best_w4_tile(gemv_w4.HALF_CANDIDATES, xp, pw, ref, tbs)]
+        split_table.append((f"{name} N={n} K={k}", *best))
+        row(f"w4 {name} 1-row half {best[1][1]} vs split {best[0][1]}", best[1][0] / 1e3,
+            best[0][0] / 1e3, tbs(best[1][0]))
         tp = _time_us(lambda: gemv_w4_tuning.packed_linear(xp, pw, None))
         row(f"w4 {name} tuned vs bf16 cuBLAS", tp / 1e3, _time_us(lambda: lin(xp, w16)) / 1e3,
             tbs(tp))
@@ -321,22 +322,29 @@ def bench_w4():
         tf = _time_us(fus) if chosen else float("nan")
         row(f"w4 {name} prologue: fused {'chosen' if chosen else 'not chosen'} vs separate",
             tf / 1e3, _time_us(sep) / 1e3, tbs(tf) if chosen else "")
-    print("\n| shape (1 row, group 128) | best byte tile us | best split tile us | bytes / split |"
+    print("\n| shape (1 row, group 128) | best split tile us | best half tile us | split / half |"
           "\n|---|---:|---:|---:|")
     for shape, (old_us, old_cfg), (new_us, new_cfg) in split_table:
         print(f"| {shape} | {old_us:.1f} {old_cfg} | {new_us:.1f} {new_cfg} | "
               f"{old_us / new_us:.2f}x |")
 
 
-def _best_w4_tile(tiles, x, pw) -> tuple[float, tuple | None]:
+def _best_w4_tile(tiles, x, pw, ref=None, tbs=None) -> tuple[float, tuple | None]:
     """(us, tile) of the fastest of tiles at x's rows, graph-timed as the tuner times; a tile
-    that fails to compile or run is printed and skipped."""
+    that fails to compile or run is printed and skipped. With ref (x @ W.T in fp32) every
+    tile's time and relative error are printed, and a tile off by more than 1e-2 is skipped."""
     from pagedbackend.kernels.gemv_tuning import _time_us
     from pagedbackend.kernels.gemv_w4 import packed_gemv
     best = (float("inf"), None)
     for cfg in tiles:
         try:
             us = _time_us(lambda: packed_gemv(x, pw, None, cfg))
+            if ref is not None:
+                y = packed_gemv(x, pw, None, cfg).float()
+                err = ((y - ref).norm() / ref.norm()).item()
+                print(f"w4 tile {cfg}: {us:.1f} us, {tbs(us)}, rel err {err:.2e}")
+                if not err < 1e-2:
+                    continue
             best = (us, cfg) if us < best[0] else best
         except Exception as e:      # noqa: BLE001
             print(f"w4 tile {cfg}: failed: {type(e).__name__}: {e}"[:300])

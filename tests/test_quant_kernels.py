@@ -101,6 +101,46 @@ def test_split_tiles_are_4_bit_only():
     assert not set(gemv_w4.SPLIT_CANDIDATES) & set(tuning._tiles(1, pw8) + tuning._tiles(4, pw8))
 
 
+@pytest.mark.parametrize("cfg", [gemv_w4.HALF_CANDIDATES[0], (16, 256, 4, 3, False, 2)],
+                         ids=["half", "half_loop"])
+@pytest.mark.parametrize("group", [128, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_tiles_match_dequantize_then_matmul(cfg, group, dtype):
+    """The fp16-pair tiles at one row, with and without a bias, against the fp32 reference:
+    within 1e-2 (sums of sixteen products in fp16). On the GPU this runs their PTX; the CPU
+    interpreter runs its fp32 stand-in (the same sum, per byte)."""
+    n, k = (6144, 4096) if CUDA else (256, 512)     # N a multiple of BLOCK_N: 128, 16
+    pw = packed_weight(n, k, 4, group)
+    if not gemv_w4.half_fits(cfg, group):
+        pytest.skip(f"{cfg} gives a thread fewer than 8 code bytes at group {group}")
+    w = torch_dequantize(pw)
+    for with_bias in (False, True):
+        x = torch.randn(1, k, device=DEV).to(dtype)
+        b = torch.randn(n, device=DEV).to(dtype) if with_bias else None
+        y = gemv_w4.packed_gemv(x, pw, b, cfg)
+        assert y.shape == (1, n) and y.dtype == dtype
+        ref = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
+        assert rel_err(y, ref) < 1e-2, with_bias
+
+
+def test_half_tiles_are_one_16_bit_row_with_8_bytes_a_thread():
+    pw = packed_weight(128, 256, 4, 64)
+    half = gemv_w4.HALF_CANDIDATES[0]
+    for x, prologue in ((torch.randn(2, 256, device=DEV).bfloat16(), gemv_w4.PLAIN),
+                        (torch.randn(1, 256, device=DEV), gemv_w4.PLAIN)):
+        with pytest.raises(AssertionError, match="HALF tile"):
+            gemv_w4.packed_gemv(x, pw, None, half, prologue)
+    # 16 rows x a 64-column piece (32 bytes) over 128 threads: 4 bytes a thread
+    assert gemv_w4.half_fits((16, 1024, 4, 3, False, 2), 128)
+    assert not gemv_w4.half_fits((16, 1024, 4, 3, False, 2), 64)
+    tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
+    one = set(tuning._tiles(1, pw))
+    assert half in one and (16, 1024, 4, 3, False, 2) not in one
+    assert not set(gemv_w4.HALF_CANDIDATES) & (set(tuning._tiles(1, pw, torch.float32))
+                                               | set(tuning._tiles(2, pw)))
+    assert not set(gemv_w4.HALF_CANDIDATES) & set(tuning._tiles(1, packed_weight(40, 128, 8, 64)))
+
+
 def test_block_k_stays_inside_a_group():
     assert gemv_w4._block_k(128, 128) == 128 and gemv_w4._block_k(128, 64) == 64
     assert gemv_w4._block_k(128, 48) == 16 and gemv_w4._block_k(64, 256) == 64

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedbackend.kernels.common import (dot_precision, l2_prefetch, mma, pdl_launch,
-                                         pdl_trigger, pdl_wait, prefetch_programs)
+from pagedbackend.kernels.common import (INTERPRET, dot_precision, l2_prefetch, mma,
+                                         pdl_launch, pdl_trigger, pdl_wait, prefetch_programs)
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL, _input_tile
 
 MAX_ROWS = 8
@@ -97,6 +97,100 @@ def _nibbles_piece(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP: tl.constexpr,
     return lo, hi, s
 
 
+# HALF tiles (SPLIT = 2; one row, 16-bit inputs, no prologue): the codes' dequantization and
+# products in PTX on fp16 pairs, eight bytes (sixteen weights) of a row at a time (_half_step).
+# Per 16 weights: 4 prmt, 8 lop3, 8 exact zero subtractions, 8 products, 3 adds, then one fp32
+# FMA with the scale, where the fp32 SPLIT tiles issue ~6 instructions a weight.
+# Compiled for sm_90 (group 128) the main loop issues 3.0-3.6 instructions a weight at BLOCK_N
+# 64-128 and 4.1-4.9 at 16-32, where narrow tiles give N = 4096 enough programs.
+HALF_CANDIDATES = ((128, 256, 4, 3, False, 2), (64, 256, 4, 3, False, 2),
+                   (64, 512, 4, 3, False, 2), (32, 512, 4, 4, False, 2),
+                   (32, 256, 4, 3, False, 2), (16, 1024, 4, 3, False, 2))
+# the input times 2^-6 in fp16 (exact: a power of two), the scale times 2^6 to undo it: sixteen
+# products summed in fp16 reach 8 * 15 * |x| / 64, so inputs up to ~35,000 stay finite
+HALF_DOWN, HALF_UP = tl.constexpr(2.0 ** -6), tl.constexpr(2.0 ** 6)
+
+# $8-$15 the accumulator (eight fp32), $16-$17 eight code bytes of one row (lo | hi << 4), $18-$21
+# x_even and $22-$25 x_odd (fp16 pairs), $26-$29 1024 + z and $30-$33 -(64 + z) (fp16 pairs),
+# $34 the row's scale. prmt spreads bytes 0,1 (2,3) of a word to bytes 0 and 2; lop3 (a & b) | c
+# puts a nibble into fp16 1024's mantissa: 1024 + q (low nibble), 1024 + 16 q (high), so
+# subtracting 1024 + z, or scaling by 1/16 and adding -(64 + z), leaves q - z exactly. The
+# sixteen products are summed in fp16 pairs, widened, and added to the first accumulator with
+# the scale; the other seven pass through (they stay zero).
+_HALF_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, t2, t3, l0, l1, l2, l3, h0, h1, h2, h3, c;
+.reg .b16 u0, u1;
+.reg .f32 f0, f1;
+mov.b32 c, 0x2C002C00;
+prmt.b32 t0, $16, 0, 0x4140;
+prmt.b32 t1, $16, 0, 0x4342;
+prmt.b32 t2, $17, 0, 0x4140;
+prmt.b32 t3, $17, 0, 0x4342;
+lop3.b32 l0, t0, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 l1, t1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 l2, t2, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 l3, t3, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 h0, t0, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 h1, t1, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 h2, t2, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 h3, t3, 0x00F000F0, 0x64006400, 0xEA;
+sub.rn.f16x2 l0, l0, $26;
+sub.rn.f16x2 l1, l1, $27;
+sub.rn.f16x2 l2, l2, $28;
+sub.rn.f16x2 l3, l3, $29;
+fma.rn.f16x2 h0, h0, c, $30;
+fma.rn.f16x2 h1, h1, c, $31;
+fma.rn.f16x2 h2, h2, c, $32;
+fma.rn.f16x2 h3, h3, c, $33;
+mul.rn.f16x2 l0, $18, l0;
+mul.rn.f16x2 l1, $19, l1;
+mul.rn.f16x2 l2, $20, l2;
+mul.rn.f16x2 l3, $21, l3;
+fma.rn.f16x2 l0, $22, h0, l0;
+fma.rn.f16x2 l1, $23, h1, l1;
+fma.rn.f16x2 l2, $24, h2, l2;
+fma.rn.f16x2 l3, $25, h3, l3;
+add.rn.f16x2 l0, l0, l1;
+add.rn.f16x2 l2, l2, l3;
+add.rn.f16x2 l0, l0, l2;
+mov.b32 {u0, u1}, l0;
+cvt.f32.f16 f0, u0;
+cvt.f32.f16 f1, u1;
+add.rn.f32 f0, f0, f1;
+fma.rn.f32 $0, f0, $34, $8;
+mov.b32 $1, $9;
+mov.b32 $2, $10;
+mov.b32 $3, $11;
+mov.b32 $4, $12;
+mov.b32 $5, $13;
+mov.b32 $6, $14;
+mov.b32 $7, $15;
+}""")
+
+_HALF_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 34))
+
+
+@triton.jit
+def _half_step(acc, b, xe, xo, z, s):
+    """acc [BLOCK_N, P] fp32 plus, per eight code bytes b (uint8 [BLOCK_N, P], P a multiple of 8,
+    each thread holding eight consecutive bytes of a row) of a row with zero point z and scale s
+    ([BLOCK_N, 1] fp32), s * sum(xe (lo - z) + xo (hi - z)) into the first of the eight
+    accumulators; xe, xo [1, P] fp32 the input's even / odd columns times HALF_DOWN, s times
+    HALF_UP. The sums are fp16 (_HALF_ASM): q - z exact, the products and their sums rounded.
+    The CPU interpreter cannot run PTX: it adds each byte's two products in fp32 to its own
+    accumulator (the same sum once the caller reduces the row)."""
+    if INTERPRET:
+        bi = b.to(tl.int32)
+        out = acc + s * (xe * ((bi & 0xF).to(tl.float32) - z)
+                         + xo * ((bi >> 4).to(tl.float32) - z))
+    else:
+        out = tl.inline_asm_elementwise(
+            _HALF_ASM, _HALF_CONSTRAINTS,
+            [acc, b, xe.to(tl.float16), xo.to(tl.float16), (z + 1024.0).to(tl.float16),
+             (-64.0 - z).to(tl.float16), s], dtype=tl.float32, is_pure=True, pack=8)
+    return out
+
+
 @triton.jit
 def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps,
                         M, N, K, stride_xm, stride_ym, stride_rm, stride_rom,
@@ -128,15 +222,25 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
     if USE_DOT:
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     elif BLOCK_M == 1:
-        acc1 = tl.zeros([BLOCK_N, SUB_K // (1 + SPLIT)], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, SUB_K // (1 + (SPLIT > 0))], dtype=tl.float32)
     else:
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, SUB_K // (1 + SPLIT)], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, SUB_K // (1 + (SPLIT > 0))], dtype=tl.float32)
     # BLOCK_K columns per iteration in pieces of SUB_K, each inside one group: several groups'
     # loads in flight per program without a scale per column
     for k0 in range(0, K, BLOCK_K):
         for i in tl.static_range(BLOCK_K // SUB_K):
             kk = k0 + i * SUB_K
-            if SPLIT:
+            if SPLIT == 2:     # HALF: one row, no prologue (HALF_CANDIDATES)
+                kb = kk // 2 + tl.arange(0, SUB_K // 2)
+                b = tl.load(q_rows + kb[None, :], mask=n_ok[:, None], other=0,
+                            eviction_policy="evict_first")
+                g = kk // GROUP
+                s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + g * N + n, mask=n_ok, other=0).to(tl.float32)
+                xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
+                xe, xo = (xc.to(tl.float32) * HALF_DOWN).reshape(BLOCK_M, SUB_K // 2, 2).split()
+                acc1 = _half_step(acc1, b, xe, xo, z[:, None], (s * HALF_UP)[:, None])
+            elif SPLIT:
                 lo, hi, s = _nibbles_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP,
                                            BLOCK_N, SUB_K)
                 # the input's even and odd columns (the bytes' low and high nibbles): loaded
@@ -204,6 +308,13 @@ def _dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, BITS:
              mask=n_ok[:, None])
 
 
+def half_fits(config: tuple, group: int) -> bool:
+    """Whether a HALF tile gives each thread eight code bytes (or more) of a piece: _half_step
+    takes eight consecutive bytes of one row at a time."""
+    block_n, block_k, warps = config[:3]
+    return block_n * _block_k(block_k, group) // 2 >= 8 * 32 * warps
+
+
 def _tile_k(want: int, group: int, k: int) -> tuple[int, int]:
     """(SUB_K, BLOCK_K): pieces inside one group, as many per iteration as `want` allows
     while BLOCK_K divides K (no masked tail)."""
@@ -244,10 +355,15 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     n, k = pw.shape
     block_n, block_k, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
-    split = not use_dot and len(dot) > 1 and bool(dot[1])     # SPLIT_CANDIDATES
+    # SPLIT_CANDIDATES (1), HALF_CANDIDATES (2)
+    split = int(dot[1]) if not use_dot and len(dot) > 1 else 0
     assert m >= 1 and x.stride(1) == 1 and pw.g_idx is None
     assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     assert not split or pw.bits == 4, f"SPLIT tiles read 4-bit codes, not {pw.bits}-bit"
+    assert split != 2 or m == 1 and prologue == PLAIN and x.dtype != torch.float32 \
+        and half_fits(config, pw.group_size), f"HALF tile {config} takes one 16-bit row, " \
+        f"no prologue and 8 code bytes a thread, not {m} rows of {x.dtype}, prologue " \
+        f"{prologue}, group {pw.group_size}"
     if use_dot and len(dot) > 1:
         block_m = dot[1]
     else:

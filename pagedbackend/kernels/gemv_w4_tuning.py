@@ -21,8 +21,8 @@ import triton
 
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL
 from pagedbackend.kernels.gemv_w4 import (CANDIDATES, DOT_CANDIDATES, GEMM_CANDIDATES,
-                                          MAX_GEMM_ROWS, MAX_ROWS, SPLIT_CANDIDATES,
-                                          _block_k, packed_gemv)
+                                          HALF_CANDIDATES, MAX_GEMM_ROWS, MAX_ROWS,
+                                          SPLIT_CANDIDATES, _block_k, half_fits, packed_gemv)
 
 logger = logging.getLogger("pagedbackend")
 
@@ -97,15 +97,18 @@ def _config(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
     return _CHOICE[key]
 
 
-def _tiles(rows: int, pw) -> tuple:
+def _tiles(rows: int, pw, dtype: torch.dtype = torch.bfloat16) -> tuple:
     # broadcast products of several rows hold rows x BLOCK_N x piece fp32 partial sums: only
     # tiles that keep them to <= 64 registers a thread (SPLIT tiles hold half as many: the
-    # same bound, with room to spare); SPLIT tiles read 4-bit codes only
+    # same bound, with room to spare); SPLIT tiles read 4-bit codes only, HALF tiles one row
+    # of a 16-bit input (fp16 sums) with eight code bytes a thread
     if rows > MAX_ROWS:
         return GEMM_CANDIDATES
     fma = CANDIDATES + (SPLIT_CANDIDATES if pw.bits == 4 else ())
     if rows == 1:
-        return fma
+        half = tuple(c for c in HALF_CANDIDATES if half_fits(c, pw.group_size)) \
+            if pw.bits == 4 and dtype != torch.float32 else ()
+        return fma + half
     return tuple(c for c in fma
                  if rows * c[0] * _block_k(c[1], pw.group_size) <= 64 * 32 * c[2]) \
         + DOT_CANDIDATES
@@ -133,9 +136,10 @@ def _tune(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
     if prologue == PLAIN:
         what, baseline = "plain", lambda: F.linear(xs, pw.dequantize(dt), bias)
         kernel = lambda cfg: packed_gemv(xs, pw, bias, cfg)        # noqa: E731
-        tiles = _tiles(rows, pw)
-    else:
-        tiles = _RANKED.get(_key(x, pw, PLAIN), [])[:FUSED_TRIES]
+        tiles = _tiles(rows, pw, dt)
+    else:       # HALF tiles take no prologue
+        tiles = [c for c in _RANKED.get(_key(x, pw, PLAIN), [])
+                 if len(c) < 6 or c[5] != 2][:FUSED_TRIES]
         if prologue == SILU_MUL:
             what, baseline = "silu_mul+", lambda: matmul(silu_and_mul(gu))
             kernel = lambda cfg: packed_gemv(gu, pw, None, cfg, SILU_MUL)       # noqa: E731
