@@ -137,7 +137,9 @@ class TritonLLMClient:
                 final = "triton_final_response" in params and \
                     params["triton_final_response"].bool_param
                 if result.get_response().outputs:
-                    yield _delta(result)
+                    d = _delta(result)
+                    if d.text or d.finish_reason or d.num_output_tokens:
+                        yield d         # else the engine's probe of a queued request: nothing
                 if final:
                     return
         finally:

@@ -33,9 +33,14 @@ def test_env_overrides():
 
 
 def test_streaming_options_typed_and_checked():
-    assert streaming_options({}) == {"coalesce": True, "max_responses_per_s": 0.0}
-    assert streaming_options({"stream_coalesce": "false", "max_responses_per_s": "1000"}) == \
-        {"coalesce": False, "max_responses_per_s": 1000.0}
+    assert streaming_options({}) == {"coalesce": True, "max_responses_per_s": 0.0,
+                                     "queued_probe_s": 1.0}
+    assert streaming_options({"stream_coalesce": "false", "max_responses_per_s": "1000",
+                              "queued_probe_ms": "0"}) == \
+        {"coalesce": False, "max_responses_per_s": 1000.0, "queued_probe_s": 0.0}
+    with pytest.raises(ValueError, match=r"^parameter queued_probe_ms=-5.0 is invalid: must be "
+                                         r"a number >= 0 \(0: off\)"):
+        streaming_options({"queued_probe_ms": "-5"})
     with pytest.raises(ValueError, match=r"^parameter stream_coalesce='maybe' is invalid"):
         streaming_options({"stream_coalesce": "maybe"})
     with pytest.raises(ValueError, match=r"^parameter max_responses_per_s=-1.0 is invalid: must be "

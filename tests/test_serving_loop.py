@@ -184,6 +184,74 @@ def test_stop_by_key_cancels_and_answers_the_stop_request():
     assert len(stopper.items) == 1 and stopper.items[0].final and stopper.items[0].chunk is None
 
 
+class QueueingEngine(FakeEngine):
+    """Runs only the first `capacity` requests (in arrival order); the others wait without
+    output until an abort ends them, as in a full scheduler."""
+
+    def __init__(self, capacity):
+        super().__init__()
+        self.capacity = capacity
+
+    def step(self):
+        time.sleep(0.002)
+        waiting = {rid: self.reqs.pop(rid) for rid in list(self.reqs)[self.capacity:]
+                   if not self.reqs[rid].aborted}
+        try:
+            return super().step()
+        finally:
+            self.reqs.update(waiting)
+
+
+def test_queued_streams_get_empty_probes_and_a_stop_then_ends_them():
+    # Through the ensemble only a response's stream_guard step sees a client's cancel; a queued
+    # request has none, so the loop sends it empty ones (queued_probe_s) and the guard's stop
+    # ends it while it still waits.
+    engine = QueueingEngine(capacity=1)
+    loop = run_loop(engine, queued_probe_s=0.1)
+    running, queued, plain = Sender(), Sender(), Sender()
+    loop.submit(running, req(max_tokens=10**6), key="r")
+    while not running.items:
+        time.sleep(0.001)
+    loop.submit(queued, req(max_tokens=4), key="q")
+    loop.submit(plain, req(max_tokens=4, stream=False), key="p")
+    time.sleep(0.45)
+    probes = list(queued.items)
+    assert 2 <= len(probes) <= 5, probes
+    assert all(not p.final and p.chunk.empty and p.chunk.request_key == "q" for p in probes)
+    assert plain.items == []                # one response only when not streaming: no probes
+    assert all(not i.chunk.empty for i in running.items)    # it has tokens: never probed
+    loop.stop("q")
+    assert queued.done.wait(5)
+    assert queued.items[-1].error_kind == "cancelled" and len(finals(queued)) == 1
+    loop.stop("r")
+    loop.stop("p")
+    assert running.done.wait(5) and plain.done.wait(5)
+    loop.shutdown()
+    assert set(engine.aborted) == {"0", "1", "2"}
+
+
+def test_no_probes_when_off():
+    engine = QueueingEngine(capacity=1)
+    loop = run_loop(engine)
+    running, queued = Sender(), Sender()
+    loop.submit(running, req(max_tokens=10**6), key="r")
+    loop.submit(queued, req(max_tokens=4), key="q")
+    time.sleep(0.3)
+    assert queued.items == []
+    loop.stop("r")
+    assert queued.done.wait(5)          # then scheduled and run to its end
+    loop.shutdown()
+    assert queued.items[-1].chunk.finish_reason == "length"
+
+
+def test_a_probe_merged_with_the_first_tokens_leaves_them_as_they_were():
+    probe = Chunk([], [], None, None, 0, 0, request_key="k")
+    first = Chunk([7, 8], [1, 2, 3], "ab", None, 3, 2, prefix="echo ", request_key="k")
+    assert probe.empty and not first.empty
+    merged = coalesce([Outgoing("h", probe), Outgoing("h", first)])
+    assert len(merged) == 1 and merged[0].chunk == first
+
+
 def test_a_cancel_that_overtakes_its_request_waits_for_it():
     # stop() finds a request's key as soon as submit() has registered it, which can be before
     # the loop takes the request from its inbox: the cancel must still reach the engine. The

@@ -185,7 +185,7 @@ class TritonBackend:
                                        else str(error))
                 final = _is_final(result)
                 chunk = _chunk(result)
-                if chunk is not None:
+                if chunk is not None and not _empty(chunk):
                     # The engine counts the tokens of each response; clients get running totals.
                     num_output += chunk.num_output_tokens
                     chunk.num_output_tokens = num_output
@@ -219,6 +219,14 @@ def _fits(value, dtype: str) -> bool:
 def _is_final(result) -> bool:
     params = result.get_response().parameters
     return "triton_final_response" in params and params["triton_final_response"].bool_param
+
+
+def _empty(chunk: Chunk) -> bool:
+    """A response with nothing in it: the engine's probe of a queued request (docs/SERVING.md
+    `queued_probe_ms`). Dropped here, so a queue timeout still ends the request before its HTTP
+    status is sent."""
+    return not (chunk.text or chunk.finish_reason or chunk.num_output_tokens or chunk.logprobs
+                or chunk.prompt_logprobs)
 
 
 def _chunk(result) -> Optional[Chunk]:

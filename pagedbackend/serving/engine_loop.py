@@ -24,6 +24,12 @@ Threading model:
   its final is queued). An earlier design polled every live request from its own thread every 50
   ms; under W4 load on the H200 (hundreds of live streams) that was ~10k IPC calls/s racing the
   sends, and tritonserver died of heap corruption.
+- Through the ensemble a client's cancel never reaches the engine's request (Triton 2.51 cancels
+  only the ensemble steps scheduled after it), so stream_guard, which runs on each response,
+  stops it. A streamed request still waiting for its first token sends no response, so with
+  `queued_probe_s` the loop sends it an empty one (no token, no text) every that many seconds:
+  the guard step it schedules sees a cancel, and a client that left while queued leaves the
+  queue within about that time instead of holding its slot until it is scheduled.
 - `_handles` (request id -> (handle, key), read by the sender's polls through `_open_handles`) and
   `_keys` (request key -> request id, read by `stop()`) are the only state under a lock.
 """
@@ -57,8 +63,9 @@ class EngineLoop:
                  cancel_poll_s: float = 0.05, stats_period_s: float = 0.5,
                  coalesce: bool = True, max_responses_per_s: float = 0.0,
                  info: Optional[Callable[[str], None]] = None,
-                 admission: AdmissionConfig = AdmissionConfig()):
+                 admission: AdmissionConfig = AdmissionConfig(), queued_probe_s: float = 0.0):
         self.engine, self.metrics, self._log = engine, metrics, log
+        self._probe_s, self._next_probe = queued_probe_s, 0.0
         # info: called on the sender thread (stub IPC stays there) with one line per busy
         # period (busy_period.py)
         self._info = info
@@ -151,6 +158,7 @@ class EngineLoop:
                 self._take_inbox(block=not busy)
                 self._take_cancels()
                 self._admit_and_expire()
+                self._probe_queued(time.monotonic())
                 if self.engine.has_unfinished():
                     t0 = time.monotonic()
                     period = period or BusyPeriod(t0)
@@ -241,6 +249,20 @@ class EngineLoop:
             self.engine.abort([rid])        # frees its blocks; its last output is ignored
             self._finish(rid, Outgoing(self._live[rid].handle, error=message,
                                        error_kind="unavailable", final=True), reason="abort")
+
+    def _probe_queued(self, now: float) -> None:
+        """An empty response to each streamed request without a token for `queued_probe_s`
+        (module docstring); looked at every quarter period."""
+        if not self._probe_s or now < self._next_probe:
+            return
+        self._next_probe = now + self._probe_s / 4
+        for rid, live in self._live.items():
+            if live.num_out or live.cancelled or not live.req.stream or rid in self._beams:
+                continue
+            if now - max(live.arrival, live.last_probe) >= self._probe_s:
+                live.last_probe = now
+                self._outbox.put(Outgoing(live.handle, Chunk([], [], None, None, 0, 0,
+                                                             request_key=live.key)))
 
     def _on_output(self, out: Any, now: float) -> None:
         if self._beams.owns(out.request_id):

@@ -31,7 +31,7 @@ ENGINE_PARAMETERS = ("model", "block_size", "max_num_seqs", "max_model_len",
                      "num_kv_blocks", "kv_cache_memory_bytes", "load_format", "enforce_eager",
                      "seed", "async_scheduling", "max_responses_per_s", "stream_coalesce",
                      "speculative_config", "swap_space", "preemption_mode",
-                     "generation_config", "max_queue_len", "max_queue_delay_ms")
+                     "generation_config", "max_queue_len", "max_queue_delay_ms", "queued_probe_ms")
 ENV_PREFIX = "PAGEDBACKEND_"
 
 

@@ -30,6 +30,7 @@ class LiveRequest:
     last_token: Optional[float] = None
     first_scheduled: Optional[float] = None     # the engine's clock (time.monotonic), as ours
     cancelled: bool = False
+    last_probe: float = 0.0           # when the engine loop last sent it an empty response
 
     def prompt_logprobs(self, out: Any) -> Optional[list]:
         return prompt_entries(out.prompt_logprobs, out.prompt_token_ids, self.req.params)

@@ -26,6 +26,13 @@ class Chunk:
     # (id, logprob, top-k) triple, the first token's logprob None (nothing predicts it).
     prompt_logprobs: Optional[list] = None
 
+    @property
+    def empty(self) -> bool:
+        """Nothing for the client: no token, text, echo, finish or logprobs (a queued request's
+        cancel probe, engine_loop.py)."""
+        return not (self.token_ids or self.text or self.prefix or self.finish_reason
+                    or self.logprobs or self.prompt_logprobs)
+
     def logprobs_json(self) -> str:
         """JSON for the `logprobs` output: [{"token_id", "logprob", "top_logprobs":
         [[id, logprob], ...]}, ...], or "" when not asked for."""
@@ -82,7 +89,10 @@ def coalesce(items: list[Outgoing]) -> list[Outgoing]:
 
 
 def merge_chunks(a: Chunk, b: Chunk) -> Chunk:
-    """a then b as one chunk: a's context (the detokenizer decodes from it over both), b's end."""
+    """a then b as one chunk: a's context (the detokenizer decodes from it over both), b's end.
+    An empty `a` (a probe) gives b unchanged: its context is the one that decodes b."""
+    if a.empty:
+        return b
     text = a.text + b.text if a.text is not None and b.text is not None else None
     logprobs = a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None \
         else None

@@ -52,13 +52,18 @@ def engine_config(params: Mapping[str, str], root: Path) -> EngineConfig:
 
 def streaming_options(params: Mapping[str, str]) -> dict[str, Any]:
     """The engine model's streaming parameters, typed and checked (see docs/SERVING.md):
-    {"coalesce": stream_coalesce, "max_responses_per_s": max_responses_per_s}."""
+    {"coalesce": stream_coalesce, "max_responses_per_s": max_responses_per_s,
+    "queued_probe_s": queued_probe_ms / 1000}."""
     coalesce = convert_parameter("stream_coalesce", params.get("stream_coalesce", "true"), "bool")
     rate = convert_parameter("max_responses_per_s", params.get("max_responses_per_s", "0"), "float")
     if rate < 0:
         raise ValueError(f"parameter max_responses_per_s={rate!r} is invalid: must be a number "
                          ">= 0 (0: one response per engine step)")
-    return {"coalesce": coalesce, "max_responses_per_s": rate}
+    probe = convert_parameter("queued_probe_ms", params.get("queued_probe_ms", "1000"), "float")
+    if probe < 0:
+        raise ValueError(f"parameter queued_probe_ms={probe!r} is invalid: must be a number "
+                         ">= 0 (0: off)")
+    return {"coalesce": coalesce, "max_responses_per_s": rate, "queued_probe_s": probe / 1000}
 
 
 def convert_parameter(key: str, text: str, hint: str) -> Any:
