@@ -257,6 +257,20 @@ def test_max_model_len_that_cannot_fit_is_a_startup_error(llama_dir):
         LLMEngine(EngineConfig(model=llama_dir, block_size=4, num_kv_blocks=10))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="sizes the KV cache from GPU memory")
+def test_no_room_left_for_the_kv_cache_is_a_startup_error_on_the_gpu(llama_dir):
+    # a second engine in the process finds the first one's cache in the memory it may use: 0
+    # blocks. It used to capture CUDA graphs over the empty cache first and die of an illegal
+    # memory access, which poisoned the process's CUDA context for every later test.
+    first = LLM(llama_dir, dtype="float32", gpu_memory_utilization=0.5)
+    with pytest.raises(ValueError, match=r"max_model_len=256 needs 16 KV blocks .* only 0 fit"):
+        LLM(llama_dir, dtype="float32", gpu_memory_utilization=0.5)
+    out = first.generate([{"prompt_token_ids": [1, 2, 3]}],
+                         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4         # the context still works
+    del first
+
+
 def test_dummy_weights_from_config_only(tmp_path, llama_dir):
     cfg = json.load(open(f"{llama_dir}/config.json"))
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -223,7 +223,7 @@ def test_rejected_drafts_back_off_and_output_is_unchanged(ckpts):
     take 7 verifications instead of 40; without it every step verifies. Output unchanged."""
     batch = repeating_prompts(8, count=1)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    _, ref = run(ckpts["llama"], batch, params)
+    _, ref = run(ckpts["llama"], batch, params, num_kv_blocks=64)
 
     class Wrong:        # drafts this model's greedy run never picks (checked below)
         def propose(self, token_ids, k):
@@ -231,7 +231,8 @@ def test_rejected_drafts_back_off_and_output_is_unchanged(ckpts):
 
     counts = {}
     for backoff in (True, False):
-        llm = LLM(ckpts["llama"], dtype="float32", speculative_config=dict(NGRAM, backoff=backoff))
+        llm = LLM(ckpts["llama"], dtype="float32", num_kv_blocks=64,
+                  speculative_config=dict(NGRAM, backoff=backoff))
         llm.engine.drafter.proposer = Wrong()
         got = [[(o.token_ids, o.finish_reason) for o in r.outputs]
                for r in llm.generate(batch, params)]

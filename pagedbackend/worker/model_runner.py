@@ -131,6 +131,11 @@ class ModelRunner:
         if agree is not None:
             num_blocks = agree(num_blocks)
         self.allocate_kv_cache(num_blocks)
+        if num_blocks < -(-max_model_len // self.block_size):
+            # too few for one sequence: the engine refuses with the figures (llm_engine.py);
+            # capturing graphs over an empty cache (0 blocks, e.g. when another engine in this
+            # process holds the memory) ended in an illegal memory access instead
+            return num_blocks
         if staging is not None:
             self.host_kv = host_kv.HostKVCache(self.kv_cache, self.num_host_blocks, staging,
                                                self.config.swap_space)
