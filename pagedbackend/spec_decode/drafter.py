@@ -62,7 +62,7 @@ class Drafter:
         self.proposer = proposer
         self.draft_runner = draft_runner
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
-        self.idle_rounds = 0        # proposal rounds in a row that found no drafts
+        self.idle_rounds = 0        # rounds in a row whose requests could take drafts, got none
         self.waited = 0             # steps since the last round
         self.backoff = Backoff() if config.backoff else None
 
@@ -93,9 +93,10 @@ class Drafter:
     def propose(self, running: list[Request]) -> None:
         """Set each running request's spec_token_ids for the next schedule() (a draft model
         reserves k slots with placeholders, filled in by fill())."""
-        found = False
+        found = asked = False
         for req in running:
             k = self.num_drafts(req)
+            asked = asked or k > 0
             if k and self.backoff is not None and self.backoff.sits_out(req):
                 k = 0
             if not k:
@@ -105,7 +106,12 @@ class Drafter:
             else:
                 req.spec_token_ids = [0] * k
             found = found or bool(req.spec_token_ids)
-        self.idle_rounds = 0 if found else self.idle_rounds + 1
+        # a round where no request could take drafts (all prefilling, at max_tokens) says
+        # nothing about the proposer: counting it made the first PROBE_EVERY decode steps after
+        # every prefill run without drafts under async scheduling (on the GPU, 300 4-token
+        # requests got none at all)
+        if asked:
+            self.idle_rounds = 0 if found else self.idle_rounds + 1
 
     def snapshot(self) -> SpecDecodeStats:
         """A copy of the counters (the metrics thread reads it later)."""
