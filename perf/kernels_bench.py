@@ -272,9 +272,10 @@ def bench_w4():
     groups of 128: the tuner's choices (the prologue inside the kernel or in its own kernel
     first) against dequantize + cuBLAS and against bf16 cuBLAS on a 16-bit weight of the same
     shape. Graph-timed with the L2 flushed, as the tuner times. Then every one-row tile without a
-    prologue: the fp32 nibble-split tiles (gemv_w4.SPLIT_CANDIDATES) against the fp16-pair ones
-    (HALF_CANDIDATES, each also checked against the dequantized weight), the best of each per
-    shape in a table of its own. TB/s: the codes', scales' and zeros' bytes."""
+    prologue: the best of the nibble-split and fp16-pair tiles (gemv_w4.SPLIT_CANDIDATES,
+    HALF_CANDIDATES) against the best split-K tile (KSPLIT_CANDIDATES, each checked against the
+    dequantized weight), per shape in a table of its own. TB/s: the codes', scales' and zeros'
+    bytes."""
     from pagedbackend.kernels import gemv, gemv_w4, gemv_w4_tuning
     from pagedbackend.kernels.gemv_tuning import _time_us
     from pagedbackend.layers.activation import silu_and_mul
@@ -299,10 +300,12 @@ def bench_w4():
         tbs = lambda t_us: f"{nbytes / (t_us * 1e-6) / 1e12:5.2f} TB/s"    # noqa: E731
         w16 = pw.dequantize(DT)
         ref = lin(xp.float(), pw.dequantize(torch.float32))
-        best = [_best_w4_tile(gemv_w4.SPLIT_CANDIDATES, xp, pw),
-                _best_w4_tile(gemv_w4.HALF_CANDIDATES, xp, pw, ref, tbs)]
+        whole = min(_best_w4_tile(gemv_w4.SPLIT_CANDIDATES, xp, pw),
+                    _best_w4_tile(gemv_w4.HALF_CANDIDATES, xp, pw), key=lambda t: t[0])
+        best = [whole, _best_w4_tile([c for c in gemv_w4.KSPLIT_CANDIDATES
+                                      if k % (c[6] * 128) == 0], xp, pw, ref, tbs)]
         split_table.append((f"{name} N={n} K={k}", *best))
-        row(f"w4 {name} 1-row half {best[1][1]} vs split {best[0][1]}", best[1][0] / 1e3,
+        row(f"w4 {name} 1-row split-K {best[1][1]} vs whole K {best[0][1]}", best[1][0] / 1e3,
             best[0][0] / 1e3, tbs(best[1][0]))
         tp = _time_us(lambda: gemv_w4_tuning.packed_linear(xp, pw, None))
         row(f"w4 {name} tuned vs bf16 cuBLAS", tp / 1e3, _time_us(lambda: lin(xp, w16)) / 1e3,
@@ -322,8 +325,8 @@ def bench_w4():
         tf = _time_us(fus) if chosen else float("nan")
         row(f"w4 {name} prologue: fused {'chosen' if chosen else 'not chosen'} vs separate",
             tf / 1e3, _time_us(sep) / 1e3, tbs(tf) if chosen else "")
-    print("\n| shape (1 row, group 128) | best split tile us | best half tile us | split / half |"
-          "\n|---|---:|---:|---:|")
+    print("\n| shape (1 row, group 128) | best whole-K tile us | best split-K tile us "
+          "| whole / split-K |\n|---|---:|---:|---:|")
     for shape, (old_us, old_cfg), (new_us, new_cfg) in split_table:
         print(f"| {shape} | {old_us:.1f} {old_cfg} | {new_us:.1f} {new_cfg} | "
               f"{old_us / new_us:.2f}x |")

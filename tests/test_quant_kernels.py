@@ -141,6 +141,60 @@ def test_half_tiles_are_one_16_bit_row_with_8_bytes_a_thread():
     assert not set(gemv_w4.HALF_CANDIDATES) & set(tuning._tiles(1, packed_weight(40, 128, 8, 64)))
 
 
+@pytest.mark.parametrize("cfg", [(64, 256, 4, 3, False, 2, 4), (16, 128, 2, 3, False, 2, 2),
+                                 (16, 1024, 4, 3, False, True, 2), (8, 128, 2, 3, False, True, 4),
+                                 (16, 64, 2, 4, False, 0, 2)],
+                         ids=["half4", "half2_loop", "split2", "split4_loop", "byte2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_split_k_tiles_match_dequantize_then_matmul(cfg, dtype):
+    """K split over programs whose last adds the fp32 sums: one row, with and without a bias,
+    as the tiles without a split are compared (fp32 1e-5, 16-bit 1e-2); the same bits on a
+    second launch (the count of finished splits went back to 0, the sum's order is fixed) and
+    after a launch of another shape (the workspace is shared)."""
+    if cfg[5] == 2 and dtype == torch.float32:
+        pytest.skip("HALF tiles take a 16-bit row")
+    n, k = (6144, 4096) if CUDA else (80, 512)      # N not a multiple of every BLOCK_N
+    group = 64
+    pw = packed_weight(n, k, 4, group)
+    w = torch_dequantize(pw)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for with_bias in (False, True):
+        x = torch.randn(1, k, device=DEV).to(dtype)
+        b = torch.randn(n, device=DEV).to(dtype) if with_bias else None
+        y = gemv_w4.packed_gemv(x, pw, b, cfg)
+        assert y.shape == (1, n) and y.dtype == dtype
+        ref = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
+        assert rel_err(y, ref) < tol, with_bias
+        other = packed_weight(2 * n, k, 4, group)
+        gemv_w4.packed_gemv(x, other, None, cfg)
+        assert torch.equal(gemv_w4.packed_gemv(x, pw, b, cfg), y)
+    _, counts = gemv_w4._SPLIT_K[x.device]
+    assert not counts.any(), "a tile's count of finished splits was left behind"
+
+
+def test_split_k_tiles_are_one_plain_row_of_whole_groups():
+    pw = packed_weight(64, 512, 4, 128)
+    cfg = (16, 128, 2, 3, False, True, 2)
+    x = torch.randn(1, 512, device=DEV).bfloat16()
+    with pytest.raises(AssertionError, match="split-K tile"):    # 512 = 2 x 2 groups, not 8
+        gemv_w4.packed_gemv(x, pw, None, cfg[:6] + (8,))
+    with pytest.raises(AssertionError, match="split-K tile"):
+        gemv_w4.packed_gemv(x, pw, None, cfg, gemv_w4.NORM, None,
+                            torch.ones(512, device=DEV).bfloat16(), 1e-6)
+    tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
+    one = set(tuning._tiles(1, pw))
+    # K 512 of group 128: splits of 2 and 4 fit, 8 does not
+    assert {c for c in gemv_w4.KSPLIT_CANDIDATES if c[6] <= 4} <= one
+    assert not {c for c in gemv_w4.KSPLIT_CANDIDATES if c[6] == 8} & one
+    assert not set(gemv_w4.KSPLIT_CANDIDATES) & (set(tuning._tiles(2, pw))
+                                                 | set(tuning._tiles(1, packed_weight(
+                                                     64, 512, 8, 128))))
+    # fp32 rows: the split-K SPLIT tiles, not the HALF ones
+    fp32 = {c for c in gemv_w4.KSPLIT_CANDIDATES if c[6] <= 4} & set(
+        tuning._tiles(1, pw, torch.float32))
+    assert fp32 and all(c[5] is True for c in fp32)
+
+
 def test_block_k_stays_inside_a_group():
     assert gemv_w4._block_k(128, 128) == 128 and gemv_w4._block_k(128, 64) == 64
     assert gemv_w4._block_k(128, 48) == 16 and gemv_w4._block_k(64, 256) == 64

@@ -45,6 +45,13 @@ SPLIT_CANDIDATES = ((16, 1024, 4, 3, False, True), (32, 512, 4, 4, False, True),
                     (64, 256, 4, 3, False, True), (32, 1024, 4, 3, False, True),
                     (8, 1024, 4, 4, False, True), (8, 2048, 4, 3, False, True),
                     (32, 256, 4, 4, False, True), (64, 512, 8, 3, False, True))
+# one row, split-K (a seventh element: KSPLIT programs per N tile, each over K / KSPLIT, the
+# last to finish adding their fp32 sums): N = 4096-6144 leaves the tiles above too few
+# programs for ~130 SMs (H100 call 58: the HALF tiles 0.72-0.77x the SPLIT tiles there)
+KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
+                     (128, 256, 4, 3, False, 2, 4), (64, 256, 4, 3, False, 2, 8),
+                     (32, 512, 4, 4, False, 2, 4), (16, 1024, 4, 3, False, True, 2),
+                     (32, 512, 4, 4, False, True, 4), (16, 512, 4, 4, False, True, 4))
 # wider steps: the same kernel as a tiled GEMM (a grid over row tiles of BLOCK_M), timed per
 # rows bucket against dequantize + cuBLAS
 GEMM_CANDIDATES = ((128, 64, 8, 3, True, 128), (128, 64, 4, 4, True, 64),
@@ -193,13 +200,17 @@ def _half_step(acc, b, xe, xo, z, s):
 
 @triton.jit
 def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps,
-                        M, N, K, stride_xm, stride_ym, stride_rm, stride_rom,
+                        ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, stride_rm, stride_rom,
                         GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, KSPLIT: tl.constexpr,
                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr,
                         prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
+    # split-K (KSPLIT > 1: one row tile, no prologue): program (pid, ks) sums K / KSPLIT
+    # columns, from ks * K / KSPLIT
+    ks = tl.program_id(2)
+    k_len = K // KSPLIT
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -216,7 +227,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
     # written by no kernel) start towards L2 before the wait for the previous kernel's output
     pdl_trigger(USE_PDL)
     if PREFETCH:
-        if pid < prefetch_programs:
+        if pid < prefetch_programs and ks == 0:
             l2_prefetch(q_ptr + pid * BLOCK_N * (K * BITS // 8), BLOCK_N * (K * BITS // 8))
     pdl_wait(USE_PDL)
     if USE_DOT:
@@ -227,7 +238,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, SUB_K // (1 + (SPLIT > 0))], dtype=tl.float32)
     # BLOCK_K columns per iteration in pieces of SUB_K, each inside one group: several groups'
     # loads in flight per program without a scale per column
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(ks * k_len, ks * k_len + k_len, BLOCK_K):
         for i in tl.static_range(BLOCK_K // SUB_K):
             kk = k0 + i * SUB_K
             if SPLIT == 2:     # HALF: one row, no prologue (HALF_CANDIDATES)
@@ -289,10 +300,30 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         y = tl.sum(acc3, axis=2)
     if PROLOGUE == 1 or PROLOGUE == 2:
         y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=m_ok & n_ok[None, :])
+    if KSPLIT > 1:
+        # each split's fp32 sums to the workspace [KSPLIT, M, N]; the tile's count of splits
+        # done, taken after a barrier (every thread's stores before the release), tells the
+        # last one, which adds the KSPLIT sums in split order (the same bits whichever ends
+        # last), writes y and sets the count back to 0 for the next launch
+        mn = m[:, None] * N + n[None, :]
+        ok = m_ok & n_ok[None, :]
+        tl.store(ws_ptr + ks * M * N + mn, y, mask=ok)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if done == KSPLIT - 1:
+            y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(KSPLIT):
+                y += tl.load(ws_ptr + j * M * N + mn, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(cnt_ptr + pid, 0)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
+                     y.to(y_ptr.dtype.element_ty), mask=ok)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
+                 y.to(y_ptr.dtype.element_ty), mask=m_ok & n_ok[None, :])
 
 
 @triton.jit
@@ -344,6 +375,28 @@ def dequantize_packed(pw, dtype: torch.dtype) -> torch.Tensor:
     return w
 
 
+# device -> (fp32 partial sums, int32 counts per N tile), grown as needed; the counts are 0
+# between launches (the last split of a tile resets its own). A buffer that was outgrown is
+# kept: CUDA graphs captured with it still point at it.
+_SPLIT_K: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _split_k_buffers(device: torch.device, sums: int, tiles: int):
+    """The split-K workspace: one per device, shared by every launch (launches on one stream
+    run one after another; under programmatic dependent launch a kernel touches it only after
+    its wait for the previous one)."""
+    have = _SPLIT_K.get(device)
+    if have is None or have[0].numel() < sums or have[1].numel() < tiles:
+        if have is not None:
+            _OUTGROWN.append(have)
+            sums, tiles = max(sums, have[0].numel()), max(tiles, have[1].numel())
+        have = (torch.empty(sums, dtype=torch.float32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device))
+        _SPLIT_K[device] = have
+    return have
+
+
 def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
                 prologue: int = PLAIN, residual: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0):
@@ -355,8 +408,12 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     n, k = pw.shape
     block_n, block_k, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
-    # SPLIT_CANDIDATES (1), HALF_CANDIDATES (2)
+    # SPLIT_CANDIDATES (1), HALF_CANDIDATES (2); a seventh element splits K (KSPLIT_CANDIDATES)
     split = int(dot[1]) if not use_dot and len(dot) > 1 else 0
+    ksplit = int(dot[2]) if not use_dot and len(dot) > 2 else 1
+    assert ksplit == 1 or prologue == PLAIN and m <= MAX_ROWS and k % (ksplit * pw.group_size) \
+        == 0, f"split-K tile {config} takes no prologue, <= {MAX_ROWS} rows and whole groups " \
+        f"per split, not prologue {prologue}, {m} rows, K {k}, group {pw.group_size}"
     assert m >= 1 and x.stride(1) == 1 and pw.g_idx is None
     assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     assert not split or pw.bits == 4, f"SPLIT tiles read 4-bit codes, not {pw.bits}-bit"
@@ -376,16 +433,20 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         r, r_out = residual, torch.empty_like(x)
     if prologue in (NORM, ADD_NORM):
         assert norm_weight is not None and norm_weight.shape == (k,)
-    sub_k, block_k = _tile_k(block_k, pw.group_size, k)
+    sub_k, block_k = _tile_k(block_k, pw.group_size, k // ksplit)
     row_tiles = triton.cdiv(m, block_m)
     pf = prefetch_programs(pw.qweight, block_n * pw.qweight.shape[1], prologue == PLAIN) \
         if n % block_n == 0 and row_tiles == 1 else 0
-    _packed_gemv_kernel[(triton.cdiv(n, block_n), row_tiles)](
+    tiles = triton.cdiv(n, block_n)
+    # sized for MAX_ROWS at once: a graph captured later at more rows needs no new buffer
+    ws, counts = _split_k_buffers(x.device, ksplit * MAX_ROWS * n, tiles) if ksplit > 1 \
+        else (y, y)
+    _packed_gemv_kernel[(tiles, row_tiles, ksplit)](
         x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, r, r_out,
-        norm_weight if norm_weight is not None else y, eps, m, n, k,
+        norm_weight if norm_weight is not None else y, eps, ws, counts, m, n, k,
         x.stride(0), y.stride(0), r.stride(0), r_out.stride(0), GROUP=pw.group_size,
         BITS=pw.bits, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=split,
+        BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=split, KSPLIT=ksplit,
         USE_DOT=use_dot,
         PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
         PREFETCH=pf > 0, num_warps=warps, num_stages=stages, **pdl_launch(x))
