@@ -104,7 +104,7 @@ for s in $stages; do
     # AWQ / GPTQ / INT8 weights: the W4A16 kernels' parity and tuning at real shapes; W1 with
     # bf16, AWQ, GPTQ and INT8 dummy weights in one process (W1-llama-3.1-8b-awq-h200.json, ...);
     # W2 128/128 bf16 then AWQ
-    quantkernels) run quantkernels 150 python3 -m pytest -q tests/test_quant_kernels.py ;;
+    quantkernels) run quantkernels 300 python3 -m pytest -q tests/test_quant_kernels.py ;;
     # the W4A16 tuner's one-row choices (prologue inside or in its own kernel) against
     # dequantize + cuBLAS and bf16 cuBLAS at llama-3.1-8b's four matmuls, ~40 s
     w4bench) run w4bench 240 python3 perf/kernels_bench.py --only w4 ;;

@@ -238,11 +238,16 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, SUB_K // (1 + (SPLIT > 0))], dtype=tl.float32)
     # BLOCK_K columns per iteration in pieces of SUB_K, each inside one group: several groups'
     # loads in flight per program without a scale per column
-    for k0 in range(ks * k_len, ks * k_len + k_len, BLOCK_K):
+    # (the hints keep a split's first column provably a multiple of SUB_K, as k0 = 0 was: the
+    # loads stay vectorized, and the HALF tiles' PTX takes eight consecutive code bytes of a
+    # row per thread, which an unvectorized load's layout does not give: GPU call 60 got
+    # relative errors of 1.0-1.3 from them without the hints)
+    k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
+    for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
         for i in tl.static_range(BLOCK_K // SUB_K):
-            kk = k0 + i * SUB_K
+            kk = tl.multiple_of(k0 + i * SUB_K, SUB_K)
             if SPLIT == 2:     # HALF: one row, no prologue (HALF_CANDIDATES)
-                kb = kk // 2 + tl.arange(0, SUB_K // 2)
+                kb = tl.multiple_of(kk // 2, SUB_K // 2) + tl.arange(0, SUB_K // 2)
                 b = tl.load(q_rows + kb[None, :], mask=n_ok[:, None], other=0,
                             eviction_policy="evict_first")
                 g = kk // GROUP
