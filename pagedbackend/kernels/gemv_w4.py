@@ -50,7 +50,8 @@ SPLIT_CANDIDATES = ((16, 1024, 4, 3, False, True), (32, 512, 4, 4, False, True),
 # programs for ~130 SMs (H100 call 58: the HALF tiles 0.72-0.77x the SPLIT tiles there)
 KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
                      (128, 256, 4, 3, False, 2, 4), (64, 256, 4, 3, False, 2, 8),
-                     (32, 512, 4, 4, False, 2, 4), (16, 1024, 4, 3, False, True, 2),
+                     (32, 512, 4, 4, False, 2, 4), (32, 512, 4, 4, False, 2, 2),
+                     (64, 256, 2, 3, False, 2, 4), (16, 1024, 4, 3, False, True, 2),
                      (32, 512, 4, 4, False, True, 4), (16, 512, 4, 4, False, True, 4))
 # wider steps: the same kernel as a tiled GEMM (a grid over row tiles of BLOCK_M), timed per
 # rows bucket against dequantize + cuBLAS
