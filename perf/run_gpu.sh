@@ -105,6 +105,8 @@ for s in $stages; do
     # bf16, AWQ, GPTQ and INT8 dummy weights in one process (W1-llama-3.1-8b-awq-h200.json, ...);
     # W2 128/128 bf16 then AWQ
     quantkernels) run quantkernels 300 python3 -m pytest -q tests/test_quant_kernels.py ;;
+    # the split-K and HALF tiles' GPU parity alone (their PTX runs only here), ~1 min
+    splitk) run splitk 120 python3 -m pytest -q tests/test_quant_kernels.py -k "split_k or half" ;;
     # the W4A16 tuner's one-row choices (prologue inside or in its own kernel) against
     # dequantize + cuBLAS and bf16 cuBLAS at llama-3.1-8b's four matmuls, ~40 s
     w4bench) run w4bench 240 python3 perf/kernels_bench.py --only w4 ;;
