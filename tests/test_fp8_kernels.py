@@ -205,6 +205,71 @@ def test_tuner_tries_the_widening_tiles_at_one_row_only(monkeypatch):
         choice = gemv_tuning._tune(x, wq, None, gemv.ADD_NORM, s)
         widening = [c for c in timed if c is not None and len(c) > 5]
         if rows == 1:
-            assert choice == favourite and set(widening) == set(gemv.FP8_WIDEN_CANDIDATES)
+            assert choice == favourite and set(widening) == set(gemv.FP8_WIDEN_CANDIDATES) \
+                | set(gemv_tuning.byte_half_tiles(1, wq, s, x.dtype))
         else:
             assert choice != favourite and not widening
+
+
+@pytest.mark.parametrize("prologue", ["plain", "add_norm", "silu_mul"])
+@pytest.mark.parametrize("wdtype", ["e4m3", "int8"])
+def test_skinny_byte_half_tiles_follow_the_fp32_tile(prologue, wdtype):
+    """The fp16-pair one-row tiles (WIDEN 3 e4m3, 4 int8) against the same tile in fp32 (triton's
+    conversion, WIDEN 0): on the GPU their PTX (fp16 products, chains of four) within 5e-3
+    relative, with no inf or NaN for inputs up to 3e4; on the CPU the interpreter's stand-in,
+    bit for bit (the 2^-10 input scale and its inverse are exact)."""
+    from pagedbackend.kernels import gemv, gemv_tuning
+    from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
+    n, k = (4096, 4096) if CUDA else (40, 256)
+    w = torch.randn(n, k, device=DEV) / k ** 0.5
+    wq, s = (quantize_weight_fp8 if wdtype == "e4m3" else quantize_weight_int8)(w)
+    kind = {"plain": gemv.PLAIN, "add_norm": gemv.ADD_NORM, "silu_mul": gemv.SILU_MUL}[prologue]
+    dt = torch.bfloat16
+    tiles = gemv_tuning.byte_half_tiles(1, wq, s, dt)
+    assert tiles and all(c[5] == (3 if wdtype == "e4m3" else 4) for c in tiles)
+    tiles = tiles if CUDA else tiles[:2]
+    for big in (False, True):
+        x = torch.randn(1, 2 * k if kind == gemv.SILU_MUL else k, device=DEV)
+        if big:     # a few inputs far out (massive activations): still finite
+            x[0, :4] = 3e4 if kind != gemv.SILU_MUL else 150.0
+        x = x.to(dt)
+        r = torch.randn(1, k, device=DEV).to(dt)
+        g = (1 + 0.3 * torch.randn(k, device=DEV)).to(dt)
+        args = (r, g, 1e-5) if kind == gemv.ADD_NORM else (None, None, 0.0)
+        for cfg in tiles:
+            y = gemv.skinny_linear(x, wq, None, cfg, kind, *args, weight_scale=s)
+            ref = gemv.skinny_linear(x, wq, None, cfg[:4], kind, *args, weight_scale=s)
+            if kind == gemv.ADD_NORM:
+                assert torch.equal(y[1], ref[1])
+                y, ref = y[0], ref[0]
+            assert y.isfinite().all(), (cfg, big)
+            if CUDA:
+                err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+                assert err < 5e-3, (cfg, big, err)
+            else:
+                assert torch.equal(y, ref), (cfg, big)
+
+
+def test_byte_half_tiles_are_one_row_of_one_byte_weights():
+    from pagedbackend.kernels import gemv, gemv_tuning
+    from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
+    wq, s = quantize_weight_fp8(torch.randn(32, 256, device=DEV))
+    wi, si = quantize_weight_int8(torch.randn(32, 256, device=DEV))
+    half, ihalf = gemv.FP8_HALF_CANDIDATES[0], gemv.INT8_HALF_CANDIDATES[0]
+    x1 = torch.randn(1, 256, device=DEV).bfloat16()
+    with pytest.raises(AssertionError, match="one row"):
+        gemv.skinny_linear(torch.randn(2, 256, device=DEV).bfloat16(), wq, None, half,
+                           weight_scale=s)
+    with pytest.raises(AssertionError, match="widens int8"):
+        gemv.skinny_linear(x1, wq, None, ihalf, weight_scale=s)
+    with pytest.raises(AssertionError, match="widens e4m3"):
+        gemv.skinny_linear(x1, wi, None, half, weight_scale=si)
+    with pytest.raises(AssertionError, match="fp16-pair tile"):     # K 200: masked tail
+        gemv.skinny_linear(torch.randn(1, 200, device=DEV).bfloat16(),
+                           quantize_weight_fp8(torch.randn(32, 200, device=DEV))[0], None,
+                           half, weight_scale=s)
+    assert set(gemv_tuning.byte_half_tiles(1, wi, si, torch.bfloat16)) <= set(
+        gemv.INT8_HALF_CANDIDATES)
+    assert not gemv_tuning.byte_half_tiles(2, wq, s, torch.bfloat16)
+    assert not gemv_tuning.byte_half_tiles(1, wq, s, torch.float32)
+    assert not gemv_tuning.byte_half_tiles(1, wq, None, torch.bfloat16)

@@ -51,6 +51,20 @@ FP8_WIDEN_CANDIDATES = ((8, 1024, 4, 3, False, 1), (8, 1024, 4, 3, False, 2),
                         (16, 512, 4, 4, False, 1), (16, 512, 4, 4, False, 2),
                         (4, 2048, 4, 4, False, 2), (8, 1024, 4, 5, False, 2),
                         (32, 256, 4, 4, False, 2), (16, 1024, 8, 3, False, 2))
+# One-row tiles for one-byte weights that multiply in fp16 pairs (WIDEN 3 for e4m3, 4 for int8;
+# _byte_half_step): eight weights a thread at a time, widened two at a time (e4m3: one hardware
+# cvt per pair; int8: prmt, lop3 and an exact subtraction per pair), multiplied by the input
+# (times 2^-10 in fp16) in a chain of four fp16-pair FMAs, the chain's two sums widened and
+# added to an fp32 accumulator: ~1.6 (e4m3) / ~2.4 (int8) instructions a weight where the fp32
+# tiles above issue ~2.5 (triton's e4m3 cast), ~4 (WIDEN 2) or an I2F each (int8, quarter
+# rate). The fp16 chain holds four products of at most 448 |x| / 1024: inputs up to ~37,000
+# stay finite; an input below 2^-14 * 1024 loses bits to fp16's subnormals (about one bf16
+# rounding at 0.06). Tried against the others by the tuner, which keeps a tile only where it
+# agrees with the reference.
+FP8_HALF_CANDIDATES = ((8, 1024, 4, 3, False, 3), (16, 512, 4, 4, False, 3),
+                       (4, 2048, 4, 4, False, 3), (8, 1024, 4, 5, False, 3),
+                       (32, 256, 4, 4, False, 3), (16, 1024, 8, 3, False, 3))
+INT8_HALF_CANDIDATES = tuple(c[:5] + (4,) for c in FP8_HALF_CANDIDATES)
 # The tensor-core tiles compute any row count up to this (BLOCK_M = rows rounded up to a power
 # of two, at least 16); the engine hands the kernel at most MAX_ROWS. perf/gemm_bench.py
 # --triton times them against cuBLAS at wider steps, in bf16: in fp32 a 64-row input tile of
@@ -127,6 +141,102 @@ def _widen_e4m3(w, WIDEN: tl.constexpr):
     return out
 
 
+# the fp16-pair tiles' input scale (exact: a power of two) and its inverse on the sums
+BYTE_HALF_DOWN, BYTE_HALF_UP = tl.constexpr(2.0 ** -10), tl.constexpr(2.0 ** 10)
+
+# $0-$7 out, $8-$15 the accumulator (eight fp32: the sum goes to the first, the rest pass
+# through), $16-$17 eight weight bytes of one row, $18-$21 the input at their columns (fp16
+# pairs). e4m3: cvt.rn.f16x2.e4m3x2 widens each 16-bit half (two weights, exact).
+_E4M3_HALF_ASM = tl.constexpr("""{
+.reg .b16 a0, a1, a2, a3, u0, u1;
+.reg .b32 h0, h1, h2, h3, p;
+.reg .f32 f0, f1;
+mov.b32 {a0, a1}, $16;
+mov.b32 {a2, a3}, $17;
+cvt.rn.f16x2.e4m3x2 h0, a0;
+cvt.rn.f16x2.e4m3x2 h1, a1;
+cvt.rn.f16x2.e4m3x2 h2, a2;
+cvt.rn.f16x2.e4m3x2 h3, a3;
+mul.rn.f16x2 p, $18, h0;
+fma.rn.f16x2 p, $19, h1, p;
+fma.rn.f16x2 p, $20, h2, p;
+fma.rn.f16x2 p, $21, h3, p;
+mov.b32 {u0, u1}, p;
+cvt.f32.f16 f0, u0;
+cvt.f32.f16 f1, u1;
+add.rn.f32 f0, f0, f1;
+add.rn.f32 $0, $8, f0;
+mov.b32 $1, $9;
+mov.b32 $2, $10;
+mov.b32 $3, $11;
+mov.b32 $4, $12;
+mov.b32 $5, $13;
+mov.b32 $6, $14;
+mov.b32 $7, $15;
+}""")
+# int8: prmt spreads bytes 0,1 (2,3) of a word to bytes 0 and 2; lop3 (a ^ 0x80) | 0x6400 puts
+# q + 128 into fp16 1024's mantissa (1024 + 128 + q), and subtracting 1152 leaves q exactly
+_INT8_HALF_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, t2, t3, h0, h1, h2, h3, p, c;
+.reg .b16 u0, u1;
+.reg .f32 f0, f1;
+mov.b32 c, 0x64806480;
+prmt.b32 t0, $16, 0, 0x4140;
+prmt.b32 t1, $16, 0, 0x4342;
+prmt.b32 t2, $17, 0, 0x4140;
+prmt.b32 t3, $17, 0, 0x4342;
+lop3.b32 t0, t0, 0x00800080, 0x64006400, 0xBE;
+lop3.b32 t1, t1, 0x00800080, 0x64006400, 0xBE;
+lop3.b32 t2, t2, 0x00800080, 0x64006400, 0xBE;
+lop3.b32 t3, t3, 0x00800080, 0x64006400, 0xBE;
+sub.rn.f16x2 h0, t0, c;
+sub.rn.f16x2 h1, t1, c;
+sub.rn.f16x2 h2, t2, c;
+sub.rn.f16x2 h3, t3, c;
+mul.rn.f16x2 p, $18, h0;
+fma.rn.f16x2 p, $19, h1, p;
+fma.rn.f16x2 p, $20, h2, p;
+fma.rn.f16x2 p, $21, h3, p;
+mov.b32 {u0, u1}, p;
+cvt.f32.f16 f0, u0;
+cvt.f32.f16 f1, u1;
+add.rn.f32 f0, f0, f1;
+add.rn.f32 $0, $8, f0;
+mov.b32 $1, $9;
+mov.b32 $2, $10;
+mov.b32 $3, $11;
+mov.b32 $4, $12;
+mov.b32 $5, $13;
+mov.b32 $6, $14;
+mov.b32 $7, $15;
+}""")
+_BYTE_HALF_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 14))
+
+
+@triton.jit
+def _byte_half_step(acc, w, x, WIDEN: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K] fp32 plus, per eight consecutive one-byte weights w of a row
+    (e4m3 for WIDEN 3, int8 for 4; each thread holding eight consecutive bytes of a row or a
+    multiple of it), the sum of their products with x ([1, BLOCK_K] fp32, times
+    BYTE_HALF_DOWN) in fp16 pairs, into the first of the eight accumulators. The CPU
+    interpreter cannot run PTX: it adds each product in fp32 to its own accumulator (the same
+    sum once the caller reduces the row)."""
+    if INTERPRET:
+        out = acc + x * w.to(tl.float32)
+    else:
+        b = w.to(tl.uint8, bitcast=True)
+        xh = x.to(tl.float16)
+        if WIDEN == 3:
+            out = tl.inline_asm_elementwise(_E4M3_HALF_ASM, _BYTE_HALF_CONSTRAINTS,
+                                            [acc, b, xh], dtype=tl.float32, is_pure=True,
+                                            pack=8)
+        else:
+            out = tl.inline_asm_elementwise(_INT8_HALF_ASM, _BYTE_HALF_CONSTRAINTS,
+                                            [acc, b, xh], dtype=tl.float32, is_pure=True,
+                                            pack=8)
+    return out
+
+
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps, M, N, K,
                    stride_xm, stride_wn, stride_ym, stride_rm, stride_rom, prefetch_programs,
@@ -180,6 +290,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
                 acc2 += mma(x.to(tl.float16), tl.trans(w.to(tl.float16)), PRECISION)
             else:
                 acc2 += mma(x.to(w.dtype), tl.trans(w), PRECISION)
+        elif WIDEN >= 3:    # one row, one-byte weights, fp16 pairs (FP8_HALF_CANDIDATES)
+            acc1 = _byte_half_step(acc1, w, tl.sum(x, axis=0)[None, :] * BYTE_HALF_DOWN, WIDEN)
         else:
             if WIDEN:
                 x = x * X_UP
@@ -193,7 +305,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
         y = tl.sum(acc1, axis=1)[None, :]                               # [1, BLOCK_N]
     else:
         y = tl.sum(acc, axis=2)                                         # [BLOCK_M, BLOCK_N]
-    if WIDEN:
+    if WIDEN >= 3:
+        y = y * BYTE_HALF_UP
+    elif WIDEN:
         y = y * Y_UP
     if PROLOGUE == 1 or PROLOGUE == 2:
         y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
@@ -203,6 +317,14 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
              y.to(y_ptr.dtype.element_ty), mask=m_ok & (n < N)[None, :])
+
+
+def byte_half_fits(config: tuple, k: int) -> bool:
+    """Whether an fp16-pair tile (WIDEN 3 / 4) gives every thread eight consecutive bytes of a
+    row (or a multiple) with no masked tail along K: _byte_half_step takes them eight at a
+    time."""
+    block_n, block_k, warps = config[:3]
+    return k % block_k == 0 and block_k % 16 == 0 and block_n * block_k >= 8 * 32 * warps
 
 
 def rows_bucket(m: int) -> int:
@@ -229,7 +351,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_n, block_k1, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
     widen = dot[1] if len(dot) > 1 else 0
-    assert not widen or (not use_dot and weight.dtype == torch.float8_e4m3fn)
+    assert not widen or not use_dot and (widen < 3 or m == 1) and weight.dtype == (
+        torch.int8 if widen == 4 else torch.float8_e4m3fn), \
+        f"tile {config} widens {'int8' if widen == 4 else 'e4m3'} weights" \
+        f"{' of one row' if widen >= 3 else ''}, not {m} rows of {weight.dtype}"
     assert 1 <= m <= (MAX_DOT_ROWS if use_dot else MAX_ROWS) and x.stride(1) == 1
     assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     assert weight.is_contiguous() and (bias is None or bias.is_contiguous())
@@ -238,6 +363,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_m = max(16, rows_bucket(m)) if use_dot else rows_bucket(m)
     block_k = min(block_k1 if use_dot else max(block_k1 // block_m, 16),
                   max(triton.next_power_of_2(k), 16))
+    assert widen < 3 or byte_half_fits((block_n, block_k, warps), k), \
+        f"fp16-pair tile {config} needs K {k} a multiple of its BLOCK_K and 8 bytes a thread"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     r = r_out = x
     if prologue in (NORM, ADD_NORM):
