@@ -114,9 +114,10 @@ for s in $stages; do
     # W1 bf16 then AWQ only (the tuner now also times the split-nibble tiles), ~2.5 min
     w1awq) run w1awq 300 python3 perf/w1_decode.py --ab awq ;;
     # the fp16-pair one-row tiles for e4m3 / int8 weights: GPU parity (their PTX), ~1 min
-    bytehalf) run bytehalf 100 python3 -m pytest -q tests/test_fp8_kernels.py -k "byte_half" ;;
+    bytehalf) run bytehalf 90 python3 -m pytest -q tests/test_fp8_kernels.py -k "byte_half" ;;
     # W1 with AWQ, fp8 and int8 weights beside bf16 in one process (issues 23 and 27)
     w1bytes) run w1bytes 330 python3 perf/w1_decode.py --ab awq,fp8w,int8 ;;
+    w1b8) run w1b8 260 python3 perf/w1_decode.py --ab fp8w,int8 ;;
     w2awq) run w2awq 480 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
     # greedy output on AWQ / GPTQ (act order) checkpoints of the tiny models vs transformers on
     # their dequantized weights, in fp32 (the kernels' arithmetic: all 256 tokens should agree)
