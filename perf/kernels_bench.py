@@ -332,6 +332,50 @@ def bench_w4():
               f"{old_us / new_us:.2f}x |")
 
 
+def bench_bytes():
+    """One-byte weights (fp8 e4m3, int8) at one row, llama-3.1-8b's four matmuls, no prologue:
+    the best of the skinny kernel's fp32 tiles (CANDIDATES, FP8_CANDIDATES, e4m3's
+    FP8_WIDEN_CANDIDATES) against the best fp16-pair tile (FP8_HALF_CANDIDATES /
+    INT8_HALF_CANDIDATES), each checked against x @ dequantized W in fp32 (a tile off by more
+    than 1e-2 is skipped). TB/s: the weights' bytes."""
+    from pagedbackend.kernels import gemv
+    from pagedbackend.kernels.gemv_tuning import _time_us
+    from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
+    inter = HIDDEN * 7 // 2
+    shapes = (("qkv", HIDDEN * 3 // 2, HIDDEN), ("o", HIDDEN, HIDDEN),
+              ("gate_up", 2 * inter, HIDDEN), ("down", HIDDEN, inter))
+    table = []
+    for wname, quant, half in (("e4m3", quantize_weight_fp8, gemv.FP8_HALF_CANDIDATES),
+                               ("int8", quantize_weight_int8, gemv.INT8_HALF_CANDIDATES)):
+        plain = gemv.CANDIDATES + gemv.FP8_CANDIDATES[:4] \
+            + (gemv.FP8_WIDEN_CANDIDATES if wname == "e4m3" else ())
+        for name, n, k in shapes:
+            wq, sc = quant(torch.randn(n, k, device=DEVICE) / k ** 0.5)
+            x = torch.randn(1, k, device=DEVICE, dtype=DT)
+            ref = x.float() @ (wq.float() * sc[:, None]).t()
+            best = []
+            for tiles in (plain, half):
+                top = (float("inf"), None)
+                for cfg in tiles:
+                    try:
+                        y = gemv.skinny_linear(x, wq, None, cfg, weight_scale=sc).float()
+                        err = ((y - ref).norm() / ref.norm()).item()
+                        us = _time_us(lambda cfg=cfg: gemv.skinny_linear(x, wq, None, cfg,
+                                                                         weight_scale=sc))
+                        print(f"{wname} {name} tile {cfg}: {us:.1f} us, rel err {err:.2e}")
+                        if err < 1e-2 and us < top[0]:
+                            top = (us, cfg)
+                    except Exception as e:      # noqa: BLE001
+                        print(f"{wname} {name} tile {cfg}: failed: {type(e).__name__}: {e}"[:300])
+                best.append(top)
+            table.append((f"{wname} {name} N={n} K={k}", n * k, *best))
+    print("\n| weights, shape (1 row) | best fp32 tile us | best fp16-pair tile us | fp32 / pair |"
+          " pair TB/s |\n|---|---:|---:|---:|---:|")
+    for shape, nbytes, (a_us, a_cfg), (b_us, b_cfg) in table:
+        print(f"| {shape} | {a_us:.1f} {a_cfg} | {b_us:.1f} {b_cfg} | {a_us / b_us:.2f}x | "
+              f"{nbytes / (b_us * 1e-6) / 1e12:.2f} |")
+
+
 def _best_w4_tile(tiles, x, pw, ref=None, tbs=None) -> tuple[float, tuple | None]:
     """(us, tile) of the fastest of tiles at x's rows, graph-timed as the tuner times; a tile
     that fails to compile or run is printed and skipped. With ref (x @ W.T in fp32) every
@@ -359,7 +403,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also try a few tile configs")
     ap.add_argument("--only", default="",
                     help="comma-separated parts to run: decode, mixedlen, fp8, fp8in, prefill, "
-                         "mixed, elementwise, w4 (default: all)")
+                         "mixed, elementwise, w4, bytes (default: all)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "kernels_bench needs a CUDA GPU"
     torch.manual_seed(0)
@@ -368,7 +412,7 @@ def main():
     parts = {"decode": lambda: bench_decode(args.sweep), "mixedlen": bench_decode_mixed_lengths,
              "fp8": bench_decode_fp8, "fp8in": bench_fp8_inputs,
              "prefill": lambda: bench_prefill(args.sweep), "mixed": bench_mixed,
-             "elementwise": bench_elementwise, "w4": bench_w4}
+             "elementwise": bench_elementwise, "w4": bench_w4, "bytes": bench_bytes}
     for name in (args.only.split(",") if args.only else parts):
         parts[name]()
     print("\n| kernel | triton us | torch us | speed-up | |\n|---|---:|---:|---:|---|")
