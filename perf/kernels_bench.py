@@ -336,9 +336,10 @@ def bench_bytes():
     """One-byte weights (fp8 e4m3, int8) at one row, llama-3.1-8b's four matmuls, no prologue:
     the best of the skinny kernel's fp32 tiles (CANDIDATES, FP8_CANDIDATES, e4m3's
     FP8_WIDEN_CANDIDATES) against the best fp16-pair tile (FP8_HALF_CANDIDATES /
-    INT8_HALF_CANDIDATES), each checked against x @ dequantized W in fp32 (a tile off by more
-    than 1e-2 is skipped). TB/s: the weights' bytes."""
-    from pagedbackend.kernels import gemv
+    INT8_HALF_CANDIDATES), and the best of those with K split (FP8_HALF_SPLIT_CANDIDATES /
+    INT8_HALF_SPLIT_CANDIDATES), each checked against x @ dequantized W in fp32 (a tile off by
+    more than 1e-2 is skipped). TB/s: the weights' bytes."""
+    from pagedbackend.kernels import gemv, gemv_tuning
     from pagedbackend.kernels.gemv_tuning import _time_us
     from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
     inter = HIDDEN * 7 // 2
@@ -353,8 +354,9 @@ def bench_bytes():
             wq, sc = quant(torch.randn(n, k, device=DEVICE) / k ** 0.5)
             x = torch.randn(1, k, device=DEVICE, dtype=DT)
             ref = x.float() @ (wq.float() * sc[:, None]).t()
+            split = tuple(c for c in gemv_tuning.byte_half_tiles(1, wq, sc, DT) if len(c) > 6)
             best = []
-            for tiles in (plain, half):
+            for tiles in (plain, half, split):
                 top = (float("inf"), None)
                 for cfg in tiles:
                     try:
@@ -370,10 +372,12 @@ def bench_bytes():
                 best.append(top)
             table.append((f"{wname} {name} N={n} K={k}", n * k, *best))
     print("\n| weights, shape (1 row) | best fp32 tile us | best fp16-pair tile us | fp32 / pair |"
-          " pair TB/s |\n|---|---:|---:|---:|---:|")
-    for shape, nbytes, (a_us, a_cfg), (b_us, b_cfg) in table:
+          " best split-K pair tile us | pair / split-K | best TB/s |\n|---|---:|---:|---:|---:|"
+          "---:|---:|")
+    for shape, nbytes, (a_us, a_cfg), (b_us, b_cfg), (c_us, c_cfg) in table:
         print(f"| {shape} | {a_us:.1f} {a_cfg} | {b_us:.1f} {b_cfg} | {a_us / b_us:.2f}x | "
-              f"{nbytes / (b_us * 1e-6) / 1e12:.2f} |")
+              f"{c_us:.1f} {c_cfg} | {b_us / c_us:.2f}x | "
+              f"{nbytes / (min(b_us, c_us) * 1e-6) / 1e12:.2f} |")
 
 
 def _best_w4_tile(tiles, x, pw, ref=None, tbs=None) -> tuple[float, tuple | None]:

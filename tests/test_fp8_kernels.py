@@ -273,3 +273,41 @@ def test_byte_half_tiles_are_one_row_of_one_byte_weights():
     assert not gemv_tuning.byte_half_tiles(2, wq, s, torch.bfloat16)
     assert not gemv_tuning.byte_half_tiles(1, wq, s, torch.float32)
     assert not gemv_tuning.byte_half_tiles(1, wq, None, torch.bfloat16)
+
+
+@pytest.mark.parametrize("prologue", ["plain", "add_norm", "silu_mul"])
+@pytest.mark.parametrize("wdtype", ["e4m3", "int8"])
+def test_split_k_byte_half_tiles_equal_the_whole_k_tile(prologue, wdtype):
+    """The fp16-pair tiles with K split over 2 and 4 programs (the last adding the splits' sums
+    and, for the norms, their sums of squares) against the same tile over the whole K: within
+    1e-2 relative (the sums' order differs: a bf16 rounding), the residual sum of add +
+    RMSNorm bit-equal, the same bits on a second launch, and every tile's count of finished
+    splits back at 0."""
+    from pagedbackend.kernels import common, gemv
+    from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
+    n, k = (6144, 4096) if CUDA else (40, 512)
+    wq, s = (quantize_weight_fp8 if wdtype == "e4m3" else quantize_weight_int8)(
+        torch.randn(n, k, device=DEV) / k ** 0.5)
+    kind = {"plain": gemv.PLAIN, "add_norm": gemv.ADD_NORM, "silu_mul": gemv.SILU_MUL}[prologue]
+    dt = torch.bfloat16
+    x = torch.randn(1, 2 * k if kind == gemv.SILU_MUL else k, device=DEV).to(dt)
+    r = torch.randn(1, k, device=DEV).to(dt)
+    g = (1 + 0.3 * torch.randn(k, device=DEV)).to(dt)
+    args = (r, g, 1e-5) if kind == gemv.ADD_NORM else (None, None, 0.0)
+    widen = 3 if wdtype == "e4m3" else 4
+    whole = (8, 128, 4, 3, False, widen)
+    ref = gemv.skinny_linear(x, wq, None, whole, kind, *args, weight_scale=s)
+    for ksplit in (2, 4):
+        cfg = whole + (ksplit,)
+        y = gemv.skinny_linear(x, wq, None, cfg, kind, *args, weight_scale=s)
+        again = gemv.skinny_linear(x, wq, None, cfg, kind, *args, weight_scale=s)
+        if kind == gemv.ADD_NORM:
+            assert torch.equal(y[1], ref[1])
+            y, again = y[0], again[0]
+        want = ref[0] if kind == gemv.ADD_NORM else ref
+        assert torch.equal(y, again), ksplit
+        err = ((y.float() - want.float()).norm() / want.float().norm()).item()
+        assert err < 1e-2, (ksplit, err)
+    assert not common.SPLIT_K_BUFFERS[x.device][1].any()
+    with pytest.raises(AssertionError, match="times its splits"):
+        gemv.skinny_linear(x, wq, None, whole + (k // 64,), kind, *args, weight_scale=s)

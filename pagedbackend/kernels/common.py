@@ -185,3 +185,25 @@ class CompileWatch:
 
 
 COMPILES = CompileWatch()
+
+
+# device -> (fp32 partial sums, int32 counts per N tile), grown as needed; the counts are 0
+# between launches (the last split of a tile resets its own). A buffer that was outgrown is
+# kept: CUDA graphs captured with it still point at it.
+SPLIT_K_BUFFERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def split_k_buffers(device: torch.device, sums: int, tiles: int):
+    """The split-K workspace of gemv.py's and gemv_w4.py's tiles: one per device, shared by
+    every launch (launches on one stream run one after another; under programmatic dependent
+    launch a kernel touches it only after its wait for the previous one)."""
+    have = SPLIT_K_BUFFERS.get(device)
+    if have is None or have[0].numel() < sums or have[1].numel() < tiles:
+        if have is not None:
+            _OUTGROWN.append(have)
+            sums, tiles = max(sums, have[0].numel()), max(tiles, have[1].numel())
+        have = (torch.empty(sums, dtype=torch.float32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device))
+        SPLIT_K_BUFFERS[device] = have
+    return have

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from pagedbackend.kernels.common import (INTERPRET, dot_precision, l2_prefetch, mma, pdl_launch,
-                                         pdl_trigger, pdl_wait, prefetch_programs)
+                                         pdl_trigger, pdl_wait, prefetch_programs,
+                                         split_k_buffers)
 
 MAX_ROWS = 4
 # (BLOCK_N, BLOCK_K at one row, num_warps, num_stages); BLOCK_K shrinks as rows grow so the
@@ -65,6 +66,12 @@ FP8_HALF_CANDIDATES = ((8, 1024, 4, 3, False, 3), (16, 512, 4, 4, False, 3),
                        (4, 2048, 4, 4, False, 3), (8, 1024, 4, 5, False, 3),
                        (32, 256, 4, 4, False, 3), (16, 1024, 8, 3, False, 3))
 INT8_HALF_CANDIDATES = tuple(c[:5] + (4,) for c in FP8_HALF_CANDIDATES)
+# the same with K split over 2 or 4 programs (a seventh element; gemv_w4's split-K): o_proj and
+# q|k|v (N = 4096-6144) read at 1.8-2.1 TB/s on the H100 where gate|up read 2.7 (call 61)
+FP8_HALF_SPLIT_CANDIDATES = ((8, 1024, 4, 3, False, 3, 2), (8, 1024, 4, 5, False, 3, 2),
+                             (4, 2048, 4, 4, False, 3, 2), (8, 1024, 4, 3, False, 3, 4),
+                             (16, 512, 4, 4, False, 3, 4))
+INT8_HALF_SPLIT_CANDIDATES = tuple(c[:5] + (4,) + c[6:] for c in FP8_HALF_SPLIT_CANDIDATES)
 # The tensor-core tiles compute any row count up to this (BLOCK_M = rows rounded up to a power
 # of two, at least 16); the engine hands the kernel at most MAX_ROWS. perf/gemm_bench.py
 # --triton times them against cuBLAS at wider steps, in bf16: in fp32 a 64-row input tile of
@@ -244,8 +251,14 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
                    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+                   ws_ptr, ss_ws_ptr, cnt_ptr, KSPLIT: tl.constexpr):
     pid = tl.program_id(0)
+    # split-K (KSPLIT > 1, one row): program (pid, ks) sums K / KSPLIT columns from
+    # ks * K / KSPLIT (a multiple of BLOCK_K, hinted so the loads keep their layout)
+    ks = tl.program_id(1)
+    k_len = K // KSPLIT
+    k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
@@ -259,7 +272,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
     store_ok = (m < M - M * tl.minimum(pid, 1))[:, None]
     pdl_trigger(USE_PDL)
     if PREFETCH:        # the first programs' weight rows (contiguous) start towards L2 now
-        if pid < prefetch_programs:
+        if pid < prefetch_programs and ks == 0:
             l2_prefetch(w_ptr + pid * BLOCK_N * stride_wn,
                         BLOCK_N * K * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
     pdl_wait(USE_PDL)
@@ -270,8 +283,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
         acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + kk
+    for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
+        k = tl.multiple_of(k0, BLOCK_K) + kk
         x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K, EVEN_K,
                             PROLOGUE)
         if PROLOGUE == 1 or PROLOGUE == 2:
@@ -286,7 +299,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
             w = tl.load(w_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0,
                         eviction_policy="evict_first")
         if USE_DOT:
-            if HAS_SCALE:   # fp8 / int8 weights: e4m3 widens to fp16 in one conversion, int8 exactly
+            if HAS_SCALE:   # fp8 / int8 weights: e4m3 widens to fp16 in one cvt, int8 exactly
                 acc2 += mma(x.to(tl.float16), tl.trans(w.to(tl.float16)), PRECISION)
             else:
                 acc2 += mma(x.to(w.dtype), tl.trans(w), PRECISION)
@@ -309,6 +322,34 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
         y = y * BYTE_HALF_UP
     elif WIDEN:
         y = y * Y_UP
+    if KSPLIT > 1:
+        # as gemv_w4's split-K: each split's sums (and its sum of squares, for the norms) to
+        # the workspace; the tile's last split, known from a count taken after a barrier,
+        # adds them in split order, finishes the tile and resets the count
+        tl.store(ws_ptr + ks * N + n[None, :], y, mask=(n < N)[None, :])
+        tl.store(ss_ws_ptr + pid * KSPLIT + ks + m, ss)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if done == KSPLIT - 1:
+            y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for j in tl.static_range(KSPLIT):
+                y += tl.load(ws_ptr + j * N + n[None, :], mask=(n < N)[None, :], other=0.0,
+                             cache_modifier=".cg")
+                ss += tl.load(ss_ws_ptr + pid * KSPLIT + j + m, cache_modifier=".cg")
+            tl.store(cnt_ptr + pid, 0)
+            _skinny_finish(y, ss, eps, K, s_ptr, b_ptr, y_ptr, n, m, N, m_ok, stride_ym,
+                           HAS_SCALE, HAS_BIAS, PROLOGUE)
+    else:
+        _skinny_finish(y, ss, eps, K, s_ptr, b_ptr, y_ptr, n, m, N, m_ok, stride_ym,
+                       HAS_SCALE, HAS_BIAS, PROLOGUE)
+
+
+@triton.jit
+def _skinny_finish(y, ss, eps, K, s_ptr, b_ptr, y_ptr, n, m, N, m_ok, stride_ym,
+                   HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr):
+    """The finished sums y [BLOCK_M, BLOCK_N] (fp32): the norm's 1/rms from the rows' sums of
+    squares ss, the weight scale, the bias, stored in y_ptr's dtype."""
     if PROLOGUE == 1 or PROLOGUE == 2:
         y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     if HAS_SCALE:
@@ -319,12 +360,13 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
              y.to(y_ptr.dtype.element_ty), mask=m_ok & (n < N)[None, :])
 
 
-def byte_half_fits(config: tuple, k: int) -> bool:
+def byte_half_fits(config: tuple, k: int, ksplit: int = 1) -> bool:
     """Whether an fp16-pair tile (WIDEN 3 / 4) gives every thread eight consecutive bytes of a
-    row (or a multiple) with no masked tail along K: _byte_half_step takes them eight at a
-    time."""
+    row (or a multiple) with no masked tail along K (nor along a split's K / ksplit):
+    _byte_half_step takes them eight at a time."""
     block_n, block_k, warps = config[:3]
-    return k % block_k == 0 and block_k % 16 == 0 and block_n * block_k >= 8 * 32 * warps
+    return k % (block_k * ksplit) == 0 and block_k % 16 == 0 \
+        and block_n * block_k >= 8 * 32 * warps
 
 
 def rows_bucket(m: int) -> int:
@@ -351,6 +393,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_n, block_k1, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
     widen = dot[1] if len(dot) > 1 else 0
+    # a seventh element splits K (FP8_HALF_SPLIT_CANDIDATES / INT8_HALF_SPLIT_CANDIDATES)
+    ksplit = dot[2] if len(dot) > 2 else 1
     assert not widen or not use_dot and (widen < 3 or m == 1) and weight.dtype == (
         torch.int8 if widen == 4 else torch.float8_e4m3fn), \
         f"tile {config} widens {'int8' if widen == 4 else 'e4m3'} weights" \
@@ -363,8 +407,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_m = max(16, rows_bucket(m)) if use_dot else rows_bucket(m)
     block_k = min(block_k1 if use_dot else max(block_k1 // block_m, 16),
                   max(triton.next_power_of_2(k), 16))
-    assert widen < 3 or byte_half_fits((block_n, block_k, warps), k), \
-        f"fp16-pair tile {config} needs K {k} a multiple of its BLOCK_K and 8 bytes a thread"
+    assert widen < 3 or byte_half_fits((block_n, block_k, warps), k, ksplit), \
+        f"fp16-pair tile {config} needs K {k} a multiple of its BLOCK_K (times its splits) " \
+        "and 8 bytes a thread"
+    assert ksplit == 1 or m == 1 and not use_dot, f"split-K tile {config} takes one row"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     r = r_out = x
     if prologue in (NORM, ADD_NORM):
@@ -376,7 +422,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # a program's weight rows are contiguous: block_n * k elements (all in bounds if EVEN_N)
     pf = prefetch_programs(weight, block_n * k * weight.element_size(), prologue == PLAIN) \
         if even_n else 0
-    _skinny_kernel[(triton.cdiv(n, block_n),)](
+    tiles = triton.cdiv(n, block_n)
+    if ksplit > 1:
+        ws, counts = split_k_buffers(x.device, ksplit * (n + tiles), tiles)
+        ws, ss_ws = ws[:ksplit * n], ws[ksplit * n:]
+    else:
+        ws = ss_ws = counts = y
+    _skinny_kernel[(tiles, ksplit)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, y, r, r_out,
         norm_weight if norm_weight is not None else weight, eps, m, n, k,
@@ -384,6 +436,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         HAS_SCALE=weight_scale is not None, EVEN_N=even_n, EVEN_K=k % block_k == 0,
         PROLOGUE=prologue, PREFETCH=pf > 0,
-        USE_DOT=use_dot, PRECISION=dot_precision(x.dtype), WIDEN=widen, num_warps=warps,
+        USE_DOT=use_dot, PRECISION=dot_precision(x.dtype), WIDEN=widen, ws_ptr=ws,
+        ss_ws_ptr=ss_ws, cnt_ptr=counts, KSPLIT=ksplit, num_warps=warps,
         num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y

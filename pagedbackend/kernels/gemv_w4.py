@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from pagedbackend.kernels.common import (INTERPRET, dot_precision, l2_prefetch, mma,
-                                         pdl_launch, pdl_trigger, pdl_wait, prefetch_programs)
+                                         pdl_launch, pdl_trigger, pdl_wait, prefetch_programs,
+                                         split_k_buffers)
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL, _input_tile
 
 MAX_ROWS = 8
@@ -381,28 +382,6 @@ def dequantize_packed(pw, dtype: torch.dtype) -> torch.Tensor:
     return w
 
 
-# device -> (fp32 partial sums, int32 counts per N tile), grown as needed; the counts are 0
-# between launches (the last split of a tile resets its own). A buffer that was outgrown is
-# kept: CUDA graphs captured with it still point at it.
-_SPLIT_K: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-
-def _split_k_buffers(device: torch.device, sums: int, tiles: int):
-    """The split-K workspace: one per device, shared by every launch (launches on one stream
-    run one after another; under programmatic dependent launch a kernel touches it only after
-    its wait for the previous one)."""
-    have = _SPLIT_K.get(device)
-    if have is None or have[0].numel() < sums or have[1].numel() < tiles:
-        if have is not None:
-            _OUTGROWN.append(have)
-            sums, tiles = max(sums, have[0].numel()), max(tiles, have[1].numel())
-        have = (torch.empty(sums, dtype=torch.float32, device=device),
-                torch.zeros(tiles, dtype=torch.int32, device=device))
-        _SPLIT_K[device] = have
-    return have
-
-
 def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
                 prologue: int = PLAIN, residual: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0):
@@ -445,7 +424,7 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         if n % block_n == 0 and row_tiles == 1 else 0
     tiles = triton.cdiv(n, block_n)
     # sized for MAX_ROWS at once: a graph captured later at more rows needs no new buffer
-    ws, counts = _split_k_buffers(x.device, ksplit * MAX_ROWS * n, tiles) if ksplit > 1 \
+    ws, counts = split_k_buffers(x.device, ksplit * MAX_ROWS * n, tiles) if ksplit > 1 \
         else (y, y)
     _packed_gemv_kernel[(tiles, row_tiles, ksplit)](
         x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, r, r_out,
