@@ -311,3 +311,20 @@ def test_split_k_byte_half_tiles_equal_the_whole_k_tile(prologue, wdtype):
     assert not common.SPLIT_K_BUFFERS[x.device][1].any()
     with pytest.raises(AssertionError, match="times its splits"):
         gemv.skinny_linear(x, wq, None, whole + (k // 64,), kind, *args, weight_scale=s)
+
+
+def test_split_k_tiles_refuse_a_split_that_would_overlap_the_next():
+    """K / KSPLIT not a multiple of the tile's BLOCK_K would let a split's last iteration read
+    into the next split's columns (counted twice): refused, for any tile with a split."""
+    from pagedbackend.kernels import gemv
+    from pagedbackend.layers.quantization import quantize_weight_fp8
+    wq, s = quantize_weight_fp8(torch.randn(32, 384, device=DEV))
+    x = torch.randn(1, 384, device=DEV).bfloat16()
+    with pytest.raises(AssertionError, match="split-K tile"):    # 384 / 2 = 192, BLOCK_K 128
+        gemv.skinny_linear(x, wq, None, (8, 128, 4, 3, False, 0, 2), weight_scale=s)
+    with pytest.raises(AssertionError, match="split-K tile"):
+        gemv.skinny_linear(torch.randn(2, 384, device=DEV).bfloat16(), wq, None,
+                           (8, 128, 4, 3, False, 0, 3), weight_scale=s)
+    y = gemv.skinny_linear(x, wq, None, (8, 128, 4, 3, False, 0, 3), weight_scale=s)
+    ref = gemv.skinny_linear(x, wq, None, (8, 128, 4, 3), weight_scale=s)
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2

@@ -410,7 +410,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert widen < 3 or byte_half_fits((block_n, block_k, warps), k, ksplit), \
         f"fp16-pair tile {config} needs K {k} a multiple of its BLOCK_K (times its splits) " \
         "and 8 bytes a thread"
-    assert ksplit == 1 or m == 1 and not use_dot, f"split-K tile {config} takes one row"
+    assert ksplit == 1 or m == 1 and not use_dot and k % (block_k * ksplit) == 0, \
+        f"split-K tile {config} takes one row and K ({k}) a multiple of BLOCK_K x its splits"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     r = r_out = x
     if prologue in (NORM, ADD_NORM):
