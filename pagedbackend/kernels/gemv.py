@@ -226,10 +226,11 @@ def _byte_half_step(acc, w, x, WIDEN: tl.constexpr):
     (e4m3 for WIDEN 3, int8 for 4; each thread holding eight consecutive bytes of a row or a
     multiple of it), the sum of their products with x ([1, BLOCK_K] fp32, times
     BYTE_HALF_DOWN) in fp16 pairs, into the first of the eight accumulators. The CPU
-    interpreter cannot run PTX: it adds each product in fp32 to its own accumulator (the same
-    sum once the caller reduces the row)."""
-    if INTERPRET:
-        out = acc + x * w.to(tl.float32)
+    interpreter cannot run PTX: it rounds each product to fp16 and adds it in fp32 to its own
+    accumulator (the same sum, up to the chain's roundings, once the caller reduces the
+    row)."""
+    if INTERPRET:   # each product rounded to fp16 (no chain): an overflow shows as on the GPU
+        out = acc + (x.to(tl.float16) * w.to(tl.float32).to(tl.float16)).to(tl.float32)
     else:
         b = w.to(tl.uint8, bitcast=True)
         xh = x.to(tl.float16)
@@ -320,6 +321,12 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
         y = tl.sum(acc, axis=2)                                         # [BLOCK_M, BLOCK_N]
     if WIDEN >= 3:
         y = y * BYTE_HALF_UP
+        # an fp16 chain that overflowed (inputs past ~37,000 meeting large weights) leaves an
+        # inf or NaN in its row's sum: the tile's columns again with fp32 products (rare, and
+        # cheap when not taken: one reduction)
+        if tl.sum(((y != y) | (tl.abs(y) > 3.0e38)).to(tl.int32)) > 0:
+            y = _skinny_row_fp32(x_rows, r_rows, r_out_rows, g_ptr, w_rows, k_lo, k_len, kk,
+                                 store_ok, m_ok, n_ok, K, BLOCK_N, BLOCK_K, EVEN_K, PROLOGUE)
     elif WIDEN:
         y = y * Y_UP
     if KSPLIT > 1:
@@ -343,6 +350,23 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
     else:
         _skinny_finish(y, ss, eps, K, s_ptr, b_ptr, y_ptr, n, m, N, m_ok, stride_ym,
                        HAS_SCALE, HAS_BIAS, PROLOGUE)
+
+
+@triton.jit
+def _skinny_row_fp32(x_rows, r_rows, r_out_rows, g_ptr, w_rows, k_lo, k_len, kk, store_ok,
+                     m_ok, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, PROLOGUE: tl.constexpr):
+    """One row's sums over columns [k_lo, k_lo + k_len) with fp32 products of the one-byte
+    weights (triton's conversion), [1, BLOCK_N]: the fp16-pair tiles' way out of an overflow.
+    The prologue runs again as it ran (the residual sum it stores is the same)."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
+        k = tl.multiple_of(k0, BLOCK_K) + kk
+        x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K, EVEN_K,
+                            PROLOGUE)
+        w = tl.load(w_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0)
+        acc += tl.sum(x, axis=0)[None, :] * w.to(tl.float32)
+    return tl.sum(acc, axis=1)[None, :]
 
 
 @triton.jit
