@@ -59,8 +59,9 @@ FP8_WIDEN_CANDIDATES = ((8, 1024, 4, 3, False, 1), (8, 1024, 4, 3, False, 2),
 # added to an fp32 accumulator: ~1.6 (e4m3) / ~2.4 (int8) instructions a weight where the fp32
 # tiles above issue ~2.5 (triton's e4m3 cast), ~4 (WIDEN 2) or an I2F each (int8, quarter
 # rate). The fp16 chain holds four products of at most 448 |x| / 1024: inputs up to ~37,000
-# stay finite; an input below 2^-14 * 1024 loses bits to fp16's subnormals (about one bf16
-# rounding at 0.06). Tried against the others by the tuner, which keeps a tile only where it
+# stay finite, and a tile whose sums came out inf or NaN redoes its columns with fp32 products
+# (_skinny_row_fp32); an input below 2^-14 * 1024 loses bits to fp16's subnormals (about one
+# bf16 rounding at 0.06). Tried against the others by the tuner, which keeps a tile only where it
 # agrees with the reference.
 FP8_HALF_CANDIDATES = ((8, 1024, 4, 3, False, 3), (16, 512, 4, 4, False, 3),
                        (4, 2048, 4, 4, False, 3), (8, 1024, 4, 5, False, 3),
