@@ -9,6 +9,9 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
+# Next calls (2026-12-06 plan, ~9.5 min in all): "bytehalf bytesbench splitk w4bench" (~3 min:
+# the split-K and fp16-pair tiles' GPU parity and timings), then "w1bytes" (~5 min: W1 with
+# AWQ, fp8 and int8 beside bf16), then "specdecode" on an H200 and "servefp8" if time is left.
 run() {  # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
