@@ -244,7 +244,10 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
     # loads stay vectorized, and the HALF tiles' PTX takes eight consecutive code bytes of a
     # row per thread, which an unvectorized load's layout does not give: GPU call 60 got
     # relative errors of 1.0-1.3 from them without the hints)
-    k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
+    if KSPLIT > 1:
+        k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
+    else:
+        k_lo = 0
     for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
         for i in tl.static_range(BLOCK_K // SUB_K):
             kk = tl.multiple_of(k0 + i * SUB_K, SUB_K)
