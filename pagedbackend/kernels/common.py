@@ -137,6 +137,17 @@ def l2_prefetch(base, nbytes):
 
 
 @functools.lru_cache(maxsize=None)
+def pair_sum_into_first(pair: str, first: str) -> str:
+    """The end of an eight-output inline-PTX block (pack=8: outputs $0-$7, the fp32
+    accumulators $8-$15 among the inputs): the fp16 pair in register `pair` widened and its
+    halves added in fp32 into f0, then `first` (an instruction writing $0 from f0 and $8) and
+    $9-$15 passed through to $1-$7. The block declares .reg .b16 u0, u1 and .reg .f32 f0, f1;
+    this closes its brace."""
+    return (f"mov.b32 {{u0, u1}}, {pair};\ncvt.f32.f16 f0, u0;\ncvt.f32.f16 f1, u1;\n"
+            f"add.rn.f32 f0, f0, f1;\n{first}\n"
+            + "".join(f"mov.b32 ${i}, ${i + 8};\n" for i in range(1, 8)) + "}")
+
+
 def num_sms(device_index: int | None) -> int:
     """Streaming multiprocessors of a CUDA device (a small stand-in on the CPU interpreter)."""
     if device_index is None or not torch.cuda.is_available():
@@ -207,3 +218,23 @@ def split_k_buffers(device: torch.device, sums: int, tiles: int):
                 torch.zeros(tiles, dtype=torch.int32, device=device))
         SPLIT_K_BUFFERS[device] = have
     return have
+
+
+@triton.jit
+def split_k_arrive(cnt_ptr, tile):
+    """Once a split has stored its partial sums: a barrier (every thread's stores before the
+    release), then the tile's count of finished splits taken and raised by one (acq_rel at GPU
+    scope). Returns the count before it: KSPLIT - 1 for the tile's last split."""
+    tl.debug_barrier()
+    return tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def split_k_sum(ptr, offs, ok, split_stride, KSPLIT: tl.constexpr):
+    """The KSPLIT splits' partial sums at ptr + j * split_stride + offs (fp32, masked by ok),
+    added in split order (the same bits whichever split finished last) and read from L2 (.cg):
+    other programs wrote them."""
+    total = tl.zeros(offs.shape, dtype=tl.float32)
+    for j in tl.static_range(KSPLIT):
+        total += tl.load(ptr + j * split_stride + offs, mask=ok, other=0.0, cache_modifier=".cg")
+    return total

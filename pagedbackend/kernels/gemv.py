@@ -21,9 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedbackend.kernels.common import (INTERPRET, dot_precision, l2_prefetch, mma, pdl_launch,
-                                         pdl_trigger, pdl_wait, prefetch_programs,
-                                         split_k_buffers)
+from pagedbackend.kernels.common import (INTERPRET, dot_precision, l2_prefetch, mma,
+                                         pair_sum_into_first, pdl_launch, pdl_trigger, pdl_wait,
+                                         prefetch_programs, split_k_arrive, split_k_buffers,
+                                         split_k_sum)
 
 MAX_ROWS = 4
 # (BLOCK_N, BLOCK_K at one row, num_warps, num_stages); BLOCK_K shrinks as rows grow so the
@@ -154,7 +155,14 @@ BYTE_HALF_DOWN, BYTE_HALF_UP = tl.constexpr(2.0 ** -10), tl.constexpr(2.0 ** 10)
 
 # $0-$7 out, $8-$15 the accumulator (eight fp32: the sum goes to the first, the rest pass
 # through), $16-$17 eight weight bytes of one row, $18-$21 the input at their columns (fp16
-# pairs). e4m3: cvt.rn.f16x2.e4m3x2 widens each 16-bit half (two weights, exact).
+# pairs). Each block widens the bytes into h0-h3 (fp16 pairs), then the chain below multiplies
+# them by the input and adds the widened sum to the first accumulator.
+_BYTE_HALF_CHAIN = """mul.rn.f16x2 p, $18, h0;
+fma.rn.f16x2 p, $19, h1, p;
+fma.rn.f16x2 p, $20, h2, p;
+fma.rn.f16x2 p, $21, h3, p;
+""" + pair_sum_into_first("p", "add.rn.f32 $0, $8, f0;")
+# e4m3: cvt.rn.f16x2.e4m3x2 widens each 16-bit half (two weights, exact)
 _E4M3_HALF_ASM = tl.constexpr("""{
 .reg .b16 a0, a1, a2, a3, u0, u1;
 .reg .b32 h0, h1, h2, h3, p;
@@ -165,23 +173,7 @@ cvt.rn.f16x2.e4m3x2 h0, a0;
 cvt.rn.f16x2.e4m3x2 h1, a1;
 cvt.rn.f16x2.e4m3x2 h2, a2;
 cvt.rn.f16x2.e4m3x2 h3, a3;
-mul.rn.f16x2 p, $18, h0;
-fma.rn.f16x2 p, $19, h1, p;
-fma.rn.f16x2 p, $20, h2, p;
-fma.rn.f16x2 p, $21, h3, p;
-mov.b32 {u0, u1}, p;
-cvt.f32.f16 f0, u0;
-cvt.f32.f16 f1, u1;
-add.rn.f32 f0, f0, f1;
-add.rn.f32 $0, $8, f0;
-mov.b32 $1, $9;
-mov.b32 $2, $10;
-mov.b32 $3, $11;
-mov.b32 $4, $12;
-mov.b32 $5, $13;
-mov.b32 $6, $14;
-mov.b32 $7, $15;
-}""")
+""" + _BYTE_HALF_CHAIN)
 # int8: prmt spreads bytes 0,1 (2,3) of a word to bytes 0 and 2; lop3 (a ^ 0x80) | 0x6400 puts
 # q + 128 into fp16 1024's mantissa (1024 + 128 + q), and subtracting 1152 leaves q exactly
 _INT8_HALF_ASM = tl.constexpr("""{
@@ -201,23 +193,7 @@ sub.rn.f16x2 h0, t0, c;
 sub.rn.f16x2 h1, t1, c;
 sub.rn.f16x2 h2, t2, c;
 sub.rn.f16x2 h3, t3, c;
-mul.rn.f16x2 p, $18, h0;
-fma.rn.f16x2 p, $19, h1, p;
-fma.rn.f16x2 p, $20, h2, p;
-fma.rn.f16x2 p, $21, h3, p;
-mov.b32 {u0, u1}, p;
-cvt.f32.f16 f0, u0;
-cvt.f32.f16 f1, u1;
-add.rn.f32 f0, f0, f1;
-add.rn.f32 $0, $8, f0;
-mov.b32 $1, $9;
-mov.b32 $2, $10;
-mov.b32 $3, $11;
-mov.b32 $4, $12;
-mov.b32 $5, $13;
-mov.b32 $6, $14;
-mov.b32 $7, $15;
-}""")
+""" + _BYTE_HALF_CHAIN)
 _BYTE_HALF_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 14))
 
 
@@ -340,15 +316,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
         # adds them in split order, finishes the tile and resets the count
         tl.store(ws_ptr + ks * N + n[None, :], y, mask=(n < N)[None, :])
         tl.store(ss_ws_ptr + pid * KSPLIT + ks + m, ss)
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if done == KSPLIT - 1:
-            y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for j in tl.static_range(KSPLIT):
-                y += tl.load(ws_ptr + j * N + n[None, :], mask=(n < N)[None, :], other=0.0,
-                             cache_modifier=".cg")
-                ss += tl.load(ss_ws_ptr + pid * KSPLIT + j + m, cache_modifier=".cg")
+        if split_k_arrive(cnt_ptr, pid) == KSPLIT - 1:
+            y = split_k_sum(ws_ptr, n[None, :], (n < N)[None, :], N, KSPLIT)
+            ss = split_k_sum(ss_ws_ptr + pid * KSPLIT, m, m < BLOCK_M, 1, KSPLIT)
             tl.store(cnt_ptr + pid, 0)
             _skinny_finish(y, ss, eps, K, s_ptr, b_ptr, y_ptr, n, m, N, m_ok, stride_ym,
                            HAS_SCALE, HAS_BIAS, PROLOGUE)
@@ -398,6 +368,13 @@ def byte_half_fits(config: tuple, k: int, ksplit: int = 1) -> bool:
         and block_n * block_k >= 8 * 32 * warps
 
 
+def tile_block_k(block_k1: int, block_m: int, k: int, use_dot: bool = False) -> int:
+    """The BLOCK_K a tile runs with: its one-row BLOCK_K, shrunk for more rows (FMA tiles), and
+    at most K rounded up to a power of two (16 at least)."""
+    return min(block_k1 if use_dot else max(block_k1 // block_m, 16),
+               max(triton.next_power_of_2(k), 16))
+
+
 def rows_bucket(m: int) -> int:
     return triton.next_power_of_2(m)
 
@@ -434,8 +411,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert (weight_scale is not None) == (weight.dtype in (torch.float8_e4m3fn, torch.int8))
     assert weight_scale is None or weight_scale.shape == (n,) and weight_scale.is_contiguous()
     block_m = max(16, rows_bucket(m)) if use_dot else rows_bucket(m)
-    block_k = min(block_k1 if use_dot else max(block_k1 // block_m, 16),
-                  max(triton.next_power_of_2(k), 16))
+    block_k = tile_block_k(block_k1, block_m, k, use_dot)
     assert widen < 3 or byte_half_fits((block_n, block_k, warps), k, ksplit), \
         f"fp16-pair tile {config} needs K {k} a multiple of its BLOCK_K (times its splits) " \
         "and 8 bytes a thread"

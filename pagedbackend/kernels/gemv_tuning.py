@@ -22,7 +22,7 @@ from pagedbackend.kernels.gemv import (ADD_NORM, CANDIDATES, DOT_CANDIDATES, FP8
                                        FP8_HALF_CANDIDATES, FP8_HALF_SPLIT_CANDIDATES,
                                        FP8_WIDEN_CANDIDATES, INT8_HALF_CANDIDATES,
                                        INT8_HALF_SPLIT_CANDIDATES, MAX_ROWS, NORM, PLAIN, SILU_MUL,
-                                       byte_half_fits, rows_bucket, skinny_linear)
+                                       byte_half_fits, rows_bucket, skinny_linear, tile_block_k)
 from pagedbackend.layers.fp8_inputs import fp8_norm_linear, fp8_silu_linear, fused_quant_active
 from pagedbackend.layers.quantization import dequantize, scaled_linear
 
@@ -183,8 +183,8 @@ def byte_half_tiles(rows: int, weight: torch.Tensor, scale: torch.Tensor | None,
         else ()
     k = weight.shape[1]
     return tuple(c for c in cands
-                 if byte_half_fits((c[0], min(c[1], max(triton.next_power_of_2(k), 16)), c[2]),
-                                   k, c[6] if len(c) > 6 else 1))
+                 if byte_half_fits((c[0], tile_block_k(c[1], 1, k), c[2]), k,
+                                   c[6] if len(c) > 6 else 1))
 
 
 def time_tiles(tiles, kernel, ref: torch.Tensor, what: str, shape: str) -> list[tuple]:

@@ -26,8 +26,9 @@ import triton
 import triton.language as tl
 
 from pagedbackend.kernels.common import (INTERPRET, dot_precision, l2_prefetch, mma,
-                                         pdl_launch, pdl_trigger, pdl_wait, prefetch_programs,
-                                         split_k_buffers)
+                                         pair_sum_into_first, pdl_launch, pdl_trigger, pdl_wait,
+                                         prefetch_programs, split_k_arrive, split_k_buffers,
+                                         split_k_sum)
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL, _input_tile
 
 MAX_ROWS = 8
@@ -162,19 +163,7 @@ fma.rn.f16x2 l3, $25, h3, l3;
 add.rn.f16x2 l0, l0, l1;
 add.rn.f16x2 l2, l2, l3;
 add.rn.f16x2 l0, l0, l2;
-mov.b32 {u0, u1}, l0;
-cvt.f32.f16 f0, u0;
-cvt.f32.f16 f1, u1;
-add.rn.f32 f0, f0, f1;
-fma.rn.f32 $0, f0, $34, $8;
-mov.b32 $1, $9;
-mov.b32 $2, $10;
-mov.b32 $3, $11;
-mov.b32 $4, $12;
-mov.b32 $5, $13;
-mov.b32 $6, $14;
-mov.b32 $7, $15;
-}""")
+""" + pair_sum_into_first("l0", "fma.rn.f32 $0, f0, $34, $8;"))
 
 _HALF_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 34))
 
@@ -318,12 +307,8 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         mn = m[:, None] * N + n[None, :]
         ok = m_ok & n_ok[None, :]
         tl.store(ws_ptr + ks * M * N + mn, y, mask=ok)
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if done == KSPLIT - 1:
-            y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(KSPLIT):
-                y += tl.load(ws_ptr + j * M * N + mn, mask=ok, other=0.0, cache_modifier=".cg")
+        if split_k_arrive(cnt_ptr, pid) == KSPLIT - 1:
+            y = split_k_sum(ws_ptr, mn, ok, M * N, KSPLIT)
             tl.store(cnt_ptr + pid, 0)
             if HAS_BIAS:
                 y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
