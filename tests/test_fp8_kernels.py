@@ -20,6 +20,33 @@ def kernels(name):
     return importlib.import_module(f"pagedbackend.kernels.{name}")
 
 
+def prologue_inputs(prologue: str, m: int, k: int, dt: torch.dtype):
+    """(kind, x, args) for skinny_linear's prologue: m random rows of x (gate | up for
+    SiLU·mul) and, for add + RMSNorm, a random residual and gain (None, None, 0.0 otherwise)."""
+    gemv = kernels("gemv")
+    kind = {"plain": gemv.PLAIN, "add_norm": gemv.ADD_NORM, "silu_mul": gemv.SILU_MUL}[prologue]
+    x = torch.randn(m, 2 * k if kind == gemv.SILU_MUL else k, device=DEV).to(dt)
+    r = torch.randn(m, k, device=DEV).to(dt)
+    g = (1 + 0.3 * torch.randn(k, device=DEV)).to(dt)
+    return kind, x, (r, g, 1e-5) if kind == gemv.ADD_NORM else (None, None, 0.0)
+
+
+def tile_and_reference(cfg, ref_cfg, x, wq, s, kind, args):
+    """skinny_linear on the same inputs with tile cfg and with ref_cfg: (y, ref). With add +
+    RMSNorm the two residual sums must be bit-equal, and the products are returned."""
+    gemv = kernels("gemv")
+    y = gemv.skinny_linear(x, wq, None, cfg, kind, *args, weight_scale=s)
+    ref = gemv.skinny_linear(x, wq, None, ref_cfg, kind, *args, weight_scale=s)
+    if kind == gemv.ADD_NORM:
+        assert torch.equal(y[1], ref[1])
+        y, ref = y[0], ref[0]
+    return y, ref
+
+
+def rel_err(y, ref) -> float:
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
 def assert_same_quantized(got, want):
     (q, s), (q_ref, s_ref) = got, want
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == s_ref.shape
@@ -161,23 +188,15 @@ def test_skinny_fp8_integer_widening_gives_the_same_sums(prologue):
     wq, s = quantize_weight_fp8(w)
     assert ((wq.view(torch.uint8) & 0x78) == 0).logical_and(wq.float() != 0).any()
     dt = torch.bfloat16 if CUDA else torch.float32
-    kind = {"plain": gemv.PLAIN, "add_norm": gemv.ADD_NORM, "silu_mul": gemv.SILU_MUL}[prologue]
     # on the GPU every tile (the PTX included) at one row, the tuner's use: each is a compile
     tiles = gemv.FP8_WIDEN_CANDIDATES if CUDA else gemv.FP8_WIDEN_CANDIDATES[:2]
     for m in ((1,) if CUDA else (1, 3)):
-        x = torch.randn(m, 2 * k if kind == gemv.SILU_MUL else k, device=DEV).to(dt)
-        r = torch.randn(m, k, device=DEV).to(dt)
-        g = (1 + 0.3 * torch.randn(k, device=DEV)).to(dt)
-        args = (r, g, 1e-5) if kind == gemv.ADD_NORM else (None, None, 0.0)
+        kind, x, args = prologue_inputs(prologue, m, k, dt)
         for cfg in tiles:
-            y = gemv.skinny_linear(x, wq, None, cfg, kind, *args, weight_scale=s)
-            ref = gemv.skinny_linear(x, wq, None, cfg[:4], kind, *args, weight_scale=s)
-            if kind == gemv.ADD_NORM:
-                assert torch.equal(y[1], ref[1])
-                y, ref = y[0], ref[0]
+            y, ref = tile_and_reference(cfg, cfg[:4], x, wq, s, kind, args)
             assert not y.isnan().any()
             if CUDA:    # the PTX path is compiled only here
-                err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+                err = rel_err(y, ref)
                 assert err < 1e-6, (cfg, m, err)
             else:
                 assert torch.equal(y, ref), (cfg, m)
@@ -223,27 +242,18 @@ def test_skinny_byte_half_tiles_follow_the_fp32_tile(prologue, wdtype):
     n, k = (4096, 4096) if CUDA else (40, 256)
     w = torch.randn(n, k, device=DEV) / k ** 0.5
     wq, s = (quantize_weight_fp8 if wdtype == "e4m3" else quantize_weight_int8)(w)
-    kind = {"plain": gemv.PLAIN, "add_norm": gemv.ADD_NORM, "silu_mul": gemv.SILU_MUL}[prologue]
     dt = torch.bfloat16
     tiles = gemv_tuning.byte_half_tiles(1, wq, s, dt)
     assert tiles and all(c[5] == (3 if wdtype == "e4m3" else 4) for c in tiles)
     tiles = tiles if CUDA else tiles[:2]
     for big in (False, True):
-        x = torch.randn(1, 2 * k if kind == gemv.SILU_MUL else k, device=DEV)
+        kind, x, args = prologue_inputs(prologue, 1, k, dt)
         if big:     # a few inputs far out (massive activations): still finite
             x[0, :4] = 3e4 if kind != gemv.SILU_MUL else 150.0
-        x = x.to(dt)
-        r = torch.randn(1, k, device=DEV).to(dt)
-        g = (1 + 0.3 * torch.randn(k, device=DEV)).to(dt)
-        args = (r, g, 1e-5) if kind == gemv.ADD_NORM else (None, None, 0.0)
         for cfg in tiles:
-            y = gemv.skinny_linear(x, wq, None, cfg, kind, *args, weight_scale=s)
-            ref = gemv.skinny_linear(x, wq, None, cfg[:4], kind, *args, weight_scale=s)
-            if kind == gemv.ADD_NORM:
-                assert torch.equal(y[1], ref[1])
-                y, ref = y[0], ref[0]
+            y, ref = tile_and_reference(cfg, cfg[:4], x, wq, s, kind, args)
             assert y.isfinite().all(), (cfg, big)
-            err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+            err = rel_err(y, ref)
             assert err < 5e-3, (cfg, big, err)
 
 
@@ -285,25 +295,15 @@ def test_split_k_byte_half_tiles_equal_the_whole_k_tile(prologue, wdtype):
     n, k = (6144, 4096) if CUDA else (40, 512)
     wq, s = (quantize_weight_fp8 if wdtype == "e4m3" else quantize_weight_int8)(
         torch.randn(n, k, device=DEV) / k ** 0.5)
-    kind = {"plain": gemv.PLAIN, "add_norm": gemv.ADD_NORM, "silu_mul": gemv.SILU_MUL}[prologue]
-    dt = torch.bfloat16
-    x = torch.randn(1, 2 * k if kind == gemv.SILU_MUL else k, device=DEV).to(dt)
-    r = torch.randn(1, k, device=DEV).to(dt)
-    g = (1 + 0.3 * torch.randn(k, device=DEV)).to(dt)
-    args = (r, g, 1e-5) if kind == gemv.ADD_NORM else (None, None, 0.0)
+    kind, x, args = prologue_inputs(prologue, 1, k, torch.bfloat16)
     widen = 3 if wdtype == "e4m3" else 4
     whole = (8, 128, 4, 3, False, widen)
-    ref = gemv.skinny_linear(x, wq, None, whole, kind, *args, weight_scale=s)
     for ksplit in (2, 4):
         cfg = whole + (ksplit,)
-        y = gemv.skinny_linear(x, wq, None, cfg, kind, *args, weight_scale=s)
+        y, want = tile_and_reference(cfg, whole, x, wq, s, kind, args)
         again = gemv.skinny_linear(x, wq, None, cfg, kind, *args, weight_scale=s)
-        if kind == gemv.ADD_NORM:
-            assert torch.equal(y[1], ref[1])
-            y, again = y[0], again[0]
-        want = ref[0] if kind == gemv.ADD_NORM else ref
-        assert torch.equal(y, again), ksplit
-        err = ((y.float() - want.float()).norm() / want.float().norm()).item()
+        assert torch.equal(y, again[0] if kind == gemv.ADD_NORM else again), ksplit
+        err = rel_err(y, want)
         assert err < 1e-2, (ksplit, err)
     assert not common.SPLIT_K_BUFFERS[x.device][1].any()
     with pytest.raises(AssertionError, match="times its splits"):
@@ -322,9 +322,9 @@ def test_split_k_tiles_refuse_a_split_that_would_overlap_the_next():
     with pytest.raises(AssertionError, match="split-K tile"):
         gemv.skinny_linear(torch.randn(2, 384, device=DEV).bfloat16(), wq, None,
                            (8, 128, 4, 3, False, 0, 3), weight_scale=s)
-    y = gemv.skinny_linear(x, wq, None, (8, 128, 4, 3, False, 0, 3), weight_scale=s)
-    ref = gemv.skinny_linear(x, wq, None, (8, 128, 4, 3), weight_scale=s)
-    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+    y, ref = tile_and_reference((8, 128, 4, 3, False, 0, 3), (8, 128, 4, 3), x, wq, s,
+                                gemv.PLAIN, (None, None, 0.0))
+    assert rel_err(y, ref) < 1e-2
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's
@@ -348,10 +348,6 @@ def test_byte_half_tiles_fall_back_to_fp32_products_where_fp16_overflows(prologu
     g = torch.ones(k, device=DEV).bfloat16()
     args = (r, g, 1e-5) if kind == gemv.ADD_NORM else (None, None, 0.0)
     cfg = (8, 128, 4, 3, False, 3) + ((ksplit,) if ksplit > 1 else ())
-    y = gemv.skinny_linear(x, wq, None, cfg, kind, *args, weight_scale=s)
-    ref = gemv.skinny_linear(x, wq, None, cfg[:4], kind, *args, weight_scale=s)
-    if kind == gemv.ADD_NORM:
-        assert torch.equal(y[1], ref[1])
-        y, ref = y[0], ref[0]
+    y, ref = tile_and_reference(cfg, cfg[:4], x, wq, s, kind, args)
     assert y.isfinite().all()
-    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+    assert rel_err(y, ref) < 1e-2

@@ -33,6 +33,21 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def check_packed_gemv(pw: PackedWeight, w: torch.Tensor, cfg: tuple, m: int, dtype, with_bias,
+                      tol: float) -> tuple:
+    """packed_gemv with tile cfg on m random rows of dtype (and a random bias) against
+    x @ w.T (+ b) in fp32 (w the dequantized weight): shape, dtype and relative error below
+    tol. Returns (x, b, y)."""
+    n, k = pw.shape
+    x = torch.randn(m, k, device=DEV).to(dtype)
+    b = torch.randn(n, device=DEV).to(dtype) if with_bias else None
+    y = gemv_w4.packed_gemv(x, pw, b, cfg)
+    assert y.shape == (m, n) and y.dtype == dtype
+    ref = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
+    assert rel_err(y, ref) < tol, (m, with_bias)
+    return x, b, y
+
+
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, 64)])
 def test_dequantize_kernel_is_the_reference_to_the_bit(bits, group):
     n, k = (4096, 4096) if CUDA else (40, 256)
@@ -58,12 +73,7 @@ def test_packed_gemv_matches_dequantize_then_matmul(cfg, bits, group, dtype):
     w = torch_dequantize(pw)
     tol = 1e-5 if dtype == torch.float32 and len(cfg) == 4 else 1e-2
     for m in (1, 5):
-        x = torch.randn(m, k, device=DEV).to(dtype)
-        b = torch.randn(n, device=DEV).to(dtype) if m == 5 else None
-        y = gemv_w4.packed_gemv(x, pw, b, cfg)
-        assert y.shape == (m, n) and y.dtype == dtype
-        ref = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
-        assert rel_err(y, ref) < tol, m
+        check_packed_gemv(pw, w, cfg, m, dtype, m == 5, tol)
 
 
 # SPLIT tiles (4-bit nibbles as two tiles): the first candidate (at K 256 one iteration of
@@ -83,12 +93,7 @@ def test_split_tiles_match_dequantize_then_matmul(cfg, group, dtype):
     w = torch_dequantize(pw)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for m, with_bias in ((1, False), (1, True), (2, False), (5, True), (8, False)):
-        x = torch.randn(m, k, device=DEV).to(dtype)
-        b = torch.randn(n, device=DEV).to(dtype) if with_bias else None
-        y = gemv_w4.packed_gemv(x, pw, b, cfg)
-        assert y.shape == (m, n) and y.dtype == dtype
-        ref = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
-        assert rel_err(y, ref) < tol, (m, with_bias)
+        check_packed_gemv(pw, w, cfg, m, dtype, with_bias, tol)
 
 
 def test_split_tiles_are_4_bit_only():
@@ -115,12 +120,7 @@ def test_half_tiles_match_dequantize_then_matmul(cfg, group, dtype):
         pytest.skip(f"{cfg} gives a thread fewer than 8 code bytes at group {group}")
     w = torch_dequantize(pw)
     for with_bias in (False, True):
-        x = torch.randn(1, k, device=DEV).to(dtype)
-        b = torch.randn(n, device=DEV).to(dtype) if with_bias else None
-        y = gemv_w4.packed_gemv(x, pw, b, cfg)
-        assert y.shape == (1, n) and y.dtype == dtype
-        ref = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
-        assert rel_err(y, ref) < 1e-2, with_bias
+        check_packed_gemv(pw, w, cfg, 1, dtype, with_bias, 1e-2)
 
 
 def test_half_tiles_are_one_16_bit_row_with_8_bytes_a_thread():
@@ -159,12 +159,7 @@ def test_split_k_tiles_match_dequantize_then_matmul(cfg, dtype):
     w = torch_dequantize(pw)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for with_bias in (False, True):
-        x = torch.randn(1, k, device=DEV).to(dtype)
-        b = torch.randn(n, device=DEV).to(dtype) if with_bias else None
-        y = gemv_w4.packed_gemv(x, pw, b, cfg)
-        assert y.shape == (1, n) and y.dtype == dtype
-        ref = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
-        assert rel_err(y, ref) < tol, with_bias
+        x, b, y = check_packed_gemv(pw, w, cfg, 1, dtype, with_bias, tol)
         other = packed_weight(2 * n, k, 4, group)
         gemv_w4.packed_gemv(x, other, None, cfg)
         assert torch.equal(gemv_w4.packed_gemv(x, pw, b, cfg), y)
