@@ -300,10 +300,13 @@ def bench_w4():
         tbs = lambda t_us: f"{nbytes / (t_us * 1e-6) / 1e12:5.2f} TB/s"    # noqa: E731
         w16 = pw.dequantize(DT)
         ref = lin(xp.float(), pw.dequantize(torch.float32))
-        whole = min(_best_w4_tile(gemv_w4.SPLIT_CANDIDATES, xp, pw),
-                    _best_w4_tile(gemv_w4.HALF_CANDIDATES, xp, pw), key=lambda t: t[0])
-        best = [whole, _best_w4_tile([c for c in gemv_w4.KSPLIT_CANDIDATES
-                                      if k % (c[6] * 128) == 0], xp, pw, ref, tbs)]
+        def run(cfg):
+            return gemv_w4.packed_gemv(xp, pw, None, cfg)
+
+        whole = min(_best_tile(gemv_w4.SPLIT_CANDIDATES, run),
+                    _best_tile(gemv_w4.HALF_CANDIDATES, run), key=lambda t: t[0])
+        best = [whole, _best_tile([c for c in gemv_w4.KSPLIT_CANDIDATES
+                                   if k % (c[6] * 128) == 0], run, ref, "w4", tbs)]
         split_table.append((f"{name} N={n} K={k}", *best))
         row(f"w4 {name} 1-row split-K {best[1][1]} vs whole K {best[0][1]}", best[1][0] / 1e3,
             best[0][0] / 1e3, tbs(best[1][0]))
@@ -340,7 +343,6 @@ def bench_bytes():
     INT8_HALF_SPLIT_CANDIDATES), each checked against x @ dequantized W in fp32 (a tile off by
     more than 1e-2 is skipped). TB/s: the weights' bytes."""
     from pagedbackend.kernels import gemv, gemv_tuning
-    from pagedbackend.kernels.gemv_tuning import _time_us
     from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
     inter = HIDDEN * 7 // 2
     shapes = (("qkv", HIDDEN * 3 // 2, HIDDEN), ("o", HIDDEN, HIDDEN),
@@ -355,21 +357,11 @@ def bench_bytes():
             x = torch.randn(1, k, device=DEVICE, dtype=DT)
             ref = x.float() @ (wq.float() * sc[:, None]).t()
             split = tuple(c for c in gemv_tuning.byte_half_tiles(1, wq, sc, DT) if len(c) > 6)
-            best = []
-            for tiles in (plain, half, split):
-                top = (float("inf"), None)
-                for cfg in tiles:
-                    try:
-                        y = gemv.skinny_linear(x, wq, None, cfg, weight_scale=sc).float()
-                        err = ((y - ref).norm() / ref.norm()).item()
-                        us = _time_us(lambda cfg=cfg: gemv.skinny_linear(x, wq, None, cfg,
-                                                                         weight_scale=sc))
-                        print(f"{wname} {name} tile {cfg}: {us:.1f} us, rel err {err:.2e}")
-                        if err < 1e-2 and us < top[0]:
-                            top = (us, cfg)
-                    except Exception as e:      # noqa: BLE001
-                        print(f"{wname} {name} tile {cfg}: failed: {type(e).__name__}: {e}"[:300])
-                best.append(top)
+            def run(cfg, x=x, wq=wq, sc=sc):
+                return gemv.skinny_linear(x, wq, None, cfg, weight_scale=sc)
+
+            best = [_best_tile(tiles, run, ref, f"{wname} {name}")
+                    for tiles in (plain, half, split)]
             table.append((f"{wname} {name} N={n} K={k}", n * k, *best))
     print("\n| weights, shape (1 row) | best fp32 tile us | best fp16-pair tile us | fp32 / pair |"
           " best split-K pair tile us | pair / split-K | best TB/s |\n|---|---:|---:|---:|---:|"
@@ -380,25 +372,26 @@ def bench_bytes():
               f"{nbytes / (min(b_us, c_us) * 1e-6) / 1e12:.2f} |")
 
 
-def _best_w4_tile(tiles, x, pw, ref=None, tbs=None) -> tuple[float, tuple | None]:
-    """(us, tile) of the fastest of tiles at x's rows, graph-timed as the tuner times; a tile
-    that fails to compile or run is printed and skipped. With ref (x @ W.T in fp32) every
-    tile's time and relative error are printed, and a tile off by more than 1e-2 is skipped."""
+def _best_tile(tiles, run, ref=None, label="w4", tbs=None) -> tuple[float, tuple | None]:
+    """(us, tile) of the fastest of tiles, run(tile) graph-timed as the tuner times; a tile
+    that fails to compile or run is printed and skipped. With ref (the product in fp32) every
+    tile's time (and tbs(us), if given) and relative error are printed, and a tile off by more
+    than 1e-2 is skipped."""
     from pagedbackend.kernels.gemv_tuning import _time_us
-    from pagedbackend.kernels.gemv_w4 import packed_gemv
     best = (float("inf"), None)
     for cfg in tiles:
         try:
-            us = _time_us(lambda: packed_gemv(x, pw, None, cfg))
+            us = _time_us(lambda cfg=cfg: run(cfg))
             if ref is not None:
-                y = packed_gemv(x, pw, None, cfg).float()
+                y = run(cfg).float()
                 err = ((y - ref).norm() / ref.norm()).item()
-                print(f"w4 tile {cfg}: {us:.1f} us, {tbs(us)}, rel err {err:.2e}")
+                print(f"{label} tile {cfg}: {us:.1f} us, {tbs(us) + ', ' if tbs else ''}"
+                      f"rel err {err:.2e}")
                 if not err < 1e-2:
                     continue
             best = (us, cfg) if us < best[0] else best
         except Exception as e:      # noqa: BLE001
-            print(f"w4 tile {cfg}: failed: {type(e).__name__}: {e}"[:300])
+            print(f"{label} tile {cfg}: failed: {type(e).__name__}: {e}"[:300])
     return best
 
 

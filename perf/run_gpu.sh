@@ -120,7 +120,6 @@ for s in $stages; do
     bytehalf) run bytehalf 90 python3 -m pytest -q tests/test_fp8_kernels.py -k "byte_half" ;;
     # W1 with AWQ, fp8 and int8 weights beside bf16 in one process (issues 23 and 27)
     w1bytes) run w1bytes 330 python3 perf/w1_decode.py --ab awq,fp8w,int8 ;;
-    w1b8) run w1b8 260 python3 perf/w1_decode.py --ab fp8w,int8 ;;
     # the fp16-pair one-row tiles against the fp32 ones per shape, e4m3 and int8, ~1.5 min
     bytesbench) run bytesbench 150 python3 perf/kernels_bench.py --only bytes ;;
     w2awq) run w2awq 480 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
