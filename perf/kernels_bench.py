@@ -335,6 +335,54 @@ def bench_w4():
               f"{old_us / new_us:.2f}x |")
 
 
+def bench_w4_wide():
+    """AWQ / GPTQ at W2's decode (512 rows) and prefill (8,192) steps, llama-3.1-8b's four
+    matmuls, 4-bit codes in groups of 128: the best tiled W4A16 GEMM of the byte form and of the
+    split-nibble form (gemv_w4.GEMM_CANDIDATES, each checked against the fp32 product) against
+    dequantize + cuBLAS (the tuner's other choice), the dequantization alone and bf16 cuBLAS on
+    a 16-bit weight of the same shape. TFLOP/s: 2 x rows x N x K over the time."""
+    from pagedbackend.kernels import gemv_w4
+    from pagedbackend.kernels.gemv_tuning import _time_us
+    from pagedbackend.layers.quant_grouped import PackedWeight
+    inter = HIDDEN * 7 // 2
+    shapes = (("qkv", HIDDEN * 3 // 2, HIDDEN), ("o", HIDDEN, HIDDEN),
+              ("gate_up", 2 * inter, HIDDEN), ("down", HIDDEN, inter))
+    lin = torch.nn.functional.linear
+    table = []
+    for name, n, k in shapes:
+        g = k // 128
+        pw = PackedWeight(4, 128, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8,
+                                                device=DEVICE),
+                          (torch.rand(g, n, device=DEVICE) * 0.02).half(),
+                          torch.randint(0, 16, (g, n), dtype=torch.uint8, device=DEVICE),
+                          None, None)
+        w16, w32 = pw.dequantize(DT), pw.dequantize(torch.float32)
+        for rows in (512, 8192):
+            x = torch.randn(rows, k, device=DEVICE, dtype=DT)
+            ref = lin(x.float(), w32)
+            tf = lambda us: f"{2 * rows * n * k / (us * 1e-6) / 1e12:.0f} TFLOP/s"  # noqa: B023,E731
+
+            def run(cfg, x=x, pw=pw):
+                return gemv_w4.packed_gemv(x, pw, None, cfg)
+
+            label = f"w4 {name} {rows} rows"
+            byte = _best_tile([c for c in gemv_w4.GEMM_CANDIDATES if len(c) < 7], run, ref,
+                              label, tf)
+            split = _best_tile([c for c in gemv_w4.GEMM_CANDIDATES if len(c) > 6], run, ref,
+                               label, tf)
+            deq = _time_us(lambda: pw.dequantize(DT))        # noqa: B023
+            deq_mm = _time_us(lambda: lin(x, pw.dequantize(DT)))     # noqa: B023
+            bf16 = _time_us(lambda: lin(x, w16))     # noqa: B023
+            table.append((f"{name} N={n} K={k}", rows, byte, split, deq, deq_mm, bf16))
+    print("\n| shape (group 128) | rows | best byte GEMM us | best split-nibble GEMM us | "
+          "dequantize us | dequantize + cuBLAS us | bf16 cuBLAS us | best / bf16 |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|")
+    for shape, rows, (a_us, a_cfg), (b_us, b_cfg), deq, deq_mm, bf16 in table:
+        best = min(a_us, b_us, deq_mm)
+        print(f"| {shape} | {rows} | {a_us:.1f} {a_cfg} | {b_us:.1f} {b_cfg} | {deq:.1f} | "
+              f"{deq_mm:.1f} | {bf16:.1f} | {bf16 / best:.2f}x |")
+
+
 def bench_bytes():
     """One-byte weights (fp8 e4m3, int8) at one row, llama-3.1-8b's four matmuls, no prologue:
     the best of the skinny kernel's fp32 tiles (CANDIDATES, FP8_CANDIDATES, e4m3's
@@ -400,7 +448,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also try a few tile configs")
     ap.add_argument("--only", default="",
                     help="comma-separated parts to run: decode, mixedlen, fp8, fp8in, prefill, "
-                         "mixed, elementwise, w4, bytes (default: all)")
+                         "mixed, elementwise, w4, w4wide, bytes (default: all)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "kernels_bench needs a CUDA GPU"
     torch.manual_seed(0)
@@ -409,7 +457,8 @@ def main():
     parts = {"decode": lambda: bench_decode(args.sweep), "mixedlen": bench_decode_mixed_lengths,
              "fp8": bench_decode_fp8, "fp8in": bench_fp8_inputs,
              "prefill": lambda: bench_prefill(args.sweep), "mixed": bench_mixed,
-             "elementwise": bench_elementwise, "w4": bench_w4, "bytes": bench_bytes}
+             "elementwise": bench_elementwise, "w4": bench_w4, "w4wide": bench_w4_wide,
+             "bytes": bench_bytes}
     for name in (args.only.split(",") if args.only else parts):
         parts[name]()
     print("\n| kernel | triton us | torch us | speed-up | |\n|---|---:|---:|---:|---|")

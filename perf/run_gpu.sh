@@ -9,9 +9,9 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (2026-12-06 plan, ~9.5 min in all): "bytehalf bytesbench splitk w4bench" (~3 min:
-# the split-K and fp16-pair tiles' GPU parity and timings), then "w1bytes" (~5 min: W1 with
-# AWQ, fp8 and int8 beside bf16), then "specdecode" on an H200 and "servefp8" if time is left.
+# Next calls (2026-12-06 plan, ~12 min in all): "bytehalf bytesbench splitk w4bench w4wide"
+# (~5.5 min: the split-K, fp16-pair and split-nibble GEMM tiles' GPU parity and timings), then
+# "w1bytes" (~5 min: W1 with AWQ, fp8 and int8 beside bf16), then "servefp8" if time is left.
 run() {  # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -113,6 +113,11 @@ for s in $stages; do
     # the W4A16 tuner's one-row choices (prologue inside or in its own kernel) against
     # dequantize + cuBLAS and bf16 cuBLAS at llama-3.1-8b's four matmuls, ~40 s
     w4bench) run w4bench 240 python3 perf/kernels_bench.py --only w4 ;;
+    # the tiled W4A16 GEMMs' GPU parity (byte and split-nibble forms), then each at 512 and
+    # 8,192 rows against dequantize + cuBLAS and bf16 cuBLAS (W2 with AWQ, issue 23), ~2.5 min
+    w4wide) run w4widetests 120 python3 -m pytest -q tests/test_quant_kernels.py \
+              -k "split_nibble_gemm or gemm_tiles_rows"
+            run w4wide 200 python3 perf/kernels_bench.py --only w4wide ;;
     w1quant) run w1quant 540 python3 perf/w1_decode.py --ab awq,gptq,int8 ;;
     # W1 bf16 then AWQ only (the tuner now also times the split-nibble tiles), ~2.5 min
     w1awq) run w1awq 300 python3 perf/w1_decode.py --ab awq ;;

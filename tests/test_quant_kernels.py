@@ -232,7 +232,9 @@ def test_packed_gemm_tiles_rows(bits, group):
     """The same kernel over row tiles (GEMM_CANDIDATES' form) for steps wider than 8 rows,
     rows not a multiple of the tile."""
     n, k = (4096, 4096) if CUDA else (40, 128)
-    cfgs = gemv_w4.GEMM_CANDIDATES if CUDA else ((32, 64, 4, 2, True, 16),)
+    cfgs = gemv_w4.GEMM_CANDIDATES if CUDA else ((32, 64, 4, 2, True, 16),
+                                                 (32, 64, 4, 2, True, 16, True))
+    cfgs = [c for c in cfgs if len(c) < 7 or bits == 4]
     pw = packed_weight(n, k, bits, group)
     w = torch_dequantize(pw)
     x = torch.randn(300 if CUDA else 37, k, device=DEV).bfloat16()
@@ -240,6 +242,30 @@ def test_packed_gemm_tiles_rows(bits, group):
     for cfg in cfgs:
         y = gemv_w4.packed_gemv(x, pw, b, cfg)
         assert rel_err(y, x.float() @ w.t() + b.float()) < 1e-2, cfg
+
+
+@pytest.mark.parametrize("group,dtype", [(32, torch.float32), (128, torch.bfloat16)])
+def test_split_nibble_gemm_tiles(group, dtype):
+    """The GEMM tiles that take the low and high nibbles as two dots against the input's even
+    and odd columns: the product of the dequantized weight at a group of 32 (16-column dots)
+    and 128; offered for 4-bit codes only, and they take no prologue."""
+    from pagedbackend.kernels.gemv import NORM
+    tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
+    n, k = (4096, 4096) if CUDA else (40, 256)
+    cfgs = [c for c in gemv_w4.GEMM_CANDIDATES if len(c) > 6] if CUDA \
+        else [(32, 64, 4, 2, True, 16, True)]
+    pw = packed_weight(n, k, 4, group)
+    w = torch_dequantize(pw)
+    x = torch.randn(300 if CUDA else 37, k, device=DEV).to(dtype)
+    for cfg in cfgs:
+        y = gemv_w4.packed_gemv(x, pw, None, cfg)
+        assert y.dtype == dtype and rel_err(y, x.float() @ w.t()) < \
+            (1e-5 if dtype == torch.float32 else 1e-2), cfg
+    split_gemm = {c for c in gemv_w4.GEMM_CANDIDATES if len(c) > 6}
+    assert split_gemm and split_gemm <= set(tuning._tiles(16, pw))
+    assert not split_gemm & set(tuning._tiles(16, packed_weight(40, 128, 8, 64)))
+    with pytest.raises(AssertionError, match="no prologue"):
+        gemv_w4.packed_gemv(x, pw, None, cfgs[0], NORM, None, torch.ones(k, device=DEV), 1e-5)
 
 
 @pytest.mark.parametrize("cfg", [gemv_w4.CANDIDATES[1], gemv_w4.DOT_CANDIDATES[1], SPLIT],

@@ -56,9 +56,13 @@ KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
                      (64, 256, 2, 3, False, 2, 4), (16, 1024, 4, 3, False, True, 2),
                      (32, 512, 4, 4, False, True, 4), (16, 512, 4, 4, False, True, 4))
 # wider steps: the same kernel as a tiled GEMM (a grid over row tiles of BLOCK_M), timed per
-# rows bucket against dequantize + cuBLAS
+# rows bucket against dequantize + cuBLAS; a seventh element True takes 4-bit codes as the
+# SPLIT tiles do (two dots a piece, on the input's even and odd columns)
 GEMM_CANDIDATES = ((128, 64, 8, 3, True, 128), (128, 64, 4, 4, True, 64),
-                   (64, 128, 4, 4, True, 64), (128, 128, 8, 3, True, 64))
+                   (64, 128, 4, 4, True, 64), (128, 128, 8, 3, True, 64),
+                   (128, 64, 8, 3, True, 128, True), (128, 128, 8, 3, True, 128, True),
+                   (128, 64, 4, 4, True, 64, True), (256, 64, 8, 3, True, 128, True),
+                   (128, 64, 8, 4, True, 256, True))
 MAX_GEMM_ROWS = 16384
 
 
@@ -250,6 +254,17 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                 xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
                 xe, xo = (xc.to(tl.float32) * HALF_DOWN).reshape(BLOCK_M, SUB_K // 2, 2).split()
                 acc1 = _half_step(acc1, b, xe, xo, z[:, None], (s * HALF_UP)[:, None])
+            elif SPLIT and USE_DOT:     # split-nibble GEMM tiles (no prologue)
+                lo, hi, s = _nibbles_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP,
+                                           BLOCK_N, SUB_K)
+                # the input's even and odd columns against the low and high nibbles: two dots
+                # of SUB_K / 2, the weight tiles (q - z) * s as _codes_tile rounds them, and no
+                # interleave of the codes (a layout change of the weight tile in the byte form)
+                xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
+                xe, xo = xc.reshape(BLOCK_M, SUB_K // 2, 2).split()
+                wt = y_ptr.dtype.element_ty
+                acc2 += mma(xe.to(wt), tl.trans((lo * s[:, None]).to(wt)), PRECISION)
+                acc2 += mma(xo.to(wt), tl.trans((hi * s[:, None]).to(wt)), PRECISION)
             elif SPLIT:
                 lo, hi, s = _nibbles_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP,
                                            BLOCK_N, SUB_K)
@@ -381,8 +396,10 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     n, k = pw.shape
     block_n, block_k, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
-    # SPLIT_CANDIDATES (1), HALF_CANDIDATES (2); a seventh element splits K (KSPLIT_CANDIDATES)
-    split = int(dot[1]) if not use_dot and len(dot) > 1 else 0
+    # SPLIT_CANDIDATES (1), HALF_CANDIDATES (2); a seventh element splits K (KSPLIT_CANDIDATES),
+    # or with a dot marks the split-nibble GEMM tiles
+    split = int(dot[1]) if not use_dot and len(dot) > 1 else \
+        int(use_dot and len(dot) > 2 and dot[2])
     ksplit = int(dot[2]) if not use_dot and len(dot) > 2 else 1
     assert ksplit == 1 or prologue == PLAIN and m <= MAX_ROWS and k % (ksplit * pw.group_size) \
         == 0, f"split-K tile {config} takes no prologue, <= {MAX_ROWS} rows and whole groups " \
@@ -390,11 +407,13 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     assert m >= 1 and x.stride(1) == 1 and pw.g_idx is None
     assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     assert not split or pw.bits == 4, f"SPLIT tiles read 4-bit codes, not {pw.bits}-bit"
+    assert not (split and use_dot) or prologue == PLAIN, \
+        f"split-nibble GEMM tile {config} takes no prologue, not {prologue}"
     assert split != 2 or m == 1 and prologue == PLAIN and x.dtype != torch.float32 \
         and half_fits(config, pw.group_size), f"HALF tile {config} takes one 16-bit row, " \
         f"no prologue and 8 code bytes a thread, not {m} rows of {x.dtype}, prologue " \
         f"{prologue}, group {pw.group_size}"
-    if use_dot and len(dot) > 1:
+    if use_dot and len(dot) > 1 and dot[1]:
         block_m = dot[1]
     else:
         assert m <= MAX_ROWS

@@ -103,8 +103,8 @@ def _tiles(rows: int, pw, dtype: torch.dtype = torch.bfloat16) -> tuple:
     # tiles that keep them to <= 64 registers a thread (SPLIT tiles hold half as many: the
     # same bound, with room to spare); SPLIT tiles read 4-bit codes only, HALF tiles one row
     # of a 16-bit input (fp16 sums) with eight code bytes a thread
-    if rows > MAX_ROWS:
-        return GEMM_CANDIDATES
+    if rows > MAX_ROWS:     # the split-nibble GEMM tiles (a seventh element) read 4-bit codes
+        return tuple(c for c in GEMM_CANDIDATES if len(c) < 7 or pw.bits == 4)
     fma = CANDIDATES + (SPLIT_CANDIDATES if pw.bits == 4 else ())
     if rows == 1:
         half_ok = pw.bits == 4 and dtype != torch.float32
