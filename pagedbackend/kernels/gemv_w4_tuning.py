@@ -156,7 +156,11 @@ def _tune(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
             what, baseline = "add_rms_norm+", lambda: matmul(fused_add_rms_norm(xs, rs, g,
                                                                                  1e-6)[0])
             kernel = lambda cfg: packed_gemv(xs, pw, bias, cfg, ADD_NORM, rs, g, 1e-6)[0]  # noqa
-    ref = baseline().float()
+    # the tiles are checked against the exact product where there is no prologue: the
+    # dequantized bf16 weight's rounding is the reference's, not the tiles' (fp32 weights)
+    ref = F.linear(xs.float(), pw.dequantize(torch.float32),
+                   None if bias is None else bias.float()) if prologue == PLAIN \
+        else baseline().float()
     base = _time_us(baseline)
     timed = time_tiles(tiles, kernel, ref, f"W{pw.bits}A16 {what}", f"{rows}x{n}x{k}")
     if prologue == PLAIN:
