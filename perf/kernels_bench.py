@@ -387,10 +387,9 @@ def bench_bytes():
     """One-byte weights (fp8 e4m3, int8) at one row, llama-3.1-8b's four matmuls, no prologue:
     the best of the skinny kernel's fp32 tiles (CANDIDATES, FP8_CANDIDATES, e4m3's
     FP8_WIDEN_CANDIDATES) against the best fp16-pair tile (FP8_HALF_CANDIDATES /
-    INT8_HALF_CANDIDATES), and the best of those with K split (FP8_HALF_SPLIT_CANDIDATES /
-    INT8_HALF_SPLIT_CANDIDATES), each checked against x @ dequantized W in fp32 (a tile off by
-    more than 1e-2 is skipped). TB/s: the weights' bytes."""
-    from pagedbackend.kernels import gemv, gemv_tuning
+    INT8_HALF_CANDIDATES), each checked against x @ dequantized W in fp32 (a tile off by more
+    than 1e-2 is skipped). TB/s: the weights' bytes."""
+    from pagedbackend.kernels import gemv
     from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
     inter = HIDDEN * 7 // 2
     shapes = (("qkv", HIDDEN * 3 // 2, HIDDEN), ("o", HIDDEN, HIDDEN),
@@ -404,20 +403,17 @@ def bench_bytes():
             wq, sc = quant(torch.randn(n, k, device=DEVICE) / k ** 0.5)
             x = torch.randn(1, k, device=DEVICE, dtype=DT)
             ref = x.float() @ (wq.float() * sc[:, None]).t()
-            split = tuple(c for c in gemv_tuning.byte_half_tiles(1, wq, sc, DT) if len(c) > 6)
             def run(cfg, x=x, wq=wq, sc=sc):
                 return gemv.skinny_linear(x, wq, None, cfg, weight_scale=sc)
 
             best = [_best_tile(tiles, run, ref, f"{wname} {name}")
-                    for tiles in (plain, half, split)]
+                    for tiles in (plain, half)]
             table.append((f"{wname} {name} N={n} K={k}", n * k, *best))
     print("\n| weights, shape (1 row) | best fp32 tile us | best fp16-pair tile us | fp32 / pair |"
-          " best split-K pair tile us | pair / split-K | best TB/s |\n|---|---:|---:|---:|---:|"
-          "---:|---:|")
-    for shape, nbytes, (a_us, a_cfg), (b_us, b_cfg), (c_us, c_cfg) in table:
+          " pair TB/s |\n|---|---:|---:|---:|---:|")
+    for shape, nbytes, (a_us, a_cfg), (b_us, b_cfg) in table:
         print(f"| {shape} | {a_us:.1f} {a_cfg} | {b_us:.1f} {b_cfg} | {a_us / b_us:.2f}x | "
-              f"{c_us:.1f} {c_cfg} | {b_us / c_us:.2f}x | "
-              f"{nbytes / (min(b_us, c_us) * 1e-6) / 1e12:.2f} |")
+              f"{nbytes / (b_us * 1e-6) / 1e12:.2f} |")
 
 
 def _best_tile(tiles, run, ref=None, label="w4", tbs=None) -> tuple[float, tuple | None]:

@@ -282,58 +282,12 @@ def test_byte_half_tiles_are_one_row_of_one_byte_weights():
     assert not gemv_tuning.byte_half_tiles(1, wq, None, torch.bfloat16)
 
 
-@pytest.mark.parametrize("prologue", ["plain", "add_norm", "silu_mul"])
-@pytest.mark.parametrize("wdtype", ["e4m3", "int8"])
-def test_split_k_byte_half_tiles_equal_the_whole_k_tile(prologue, wdtype):
-    """The fp16-pair tiles with K split over 2 and 4 programs (the last adding the splits' sums
-    and, for the norms, their sums of squares) against the same tile over the whole K: within
-    1e-2 relative (the sums' order differs: a bf16 rounding), the residual sum of add +
-    RMSNorm bit-equal, the same bits on a second launch, and every tile's count of finished
-    splits back at 0."""
-    from pagedbackend.kernels import common, gemv
-    from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
-    n, k = (6144, 4096) if CUDA else (40, 512)
-    wq, s = (quantize_weight_fp8 if wdtype == "e4m3" else quantize_weight_int8)(
-        torch.randn(n, k, device=DEV) / k ** 0.5)
-    kind, x, args = prologue_inputs(prologue, 1, k, torch.bfloat16)
-    widen = 3 if wdtype == "e4m3" else 4
-    whole = (8, 128, 4, 3, False, widen)
-    for ksplit in (2, 4):
-        cfg = whole + (ksplit,)
-        y, want = tile_and_reference(cfg, whole, x, wq, s, kind, args)
-        again = gemv.skinny_linear(x, wq, None, cfg, kind, *args, weight_scale=s)
-        assert torch.equal(y, again[0] if kind == gemv.ADD_NORM else again), ksplit
-        err = rel_err(y, want)
-        assert err < 1e-2, (ksplit, err)
-    assert not common.SPLIT_K_BUFFERS[x.device][1].any()
-    with pytest.raises(AssertionError, match="times its splits"):
-        gemv.skinny_linear(x, wq, None, whole + (k // 64,), kind, *args, weight_scale=s)
-
-
-def test_split_k_tiles_refuse_a_split_that_would_overlap_the_next():
-    """K / KSPLIT not a multiple of the tile's BLOCK_K would let a split's last iteration read
-    into the next split's columns (counted twice): refused, for any tile with a split."""
-    from pagedbackend.kernels import gemv
-    from pagedbackend.layers.quantization import quantize_weight_fp8
-    wq, s = quantize_weight_fp8(torch.randn(32, 384, device=DEV))
-    x = torch.randn(1, 384, device=DEV).bfloat16()
-    with pytest.raises(AssertionError, match="split-K tile"):    # 384 / 2 = 192, BLOCK_K 128
-        gemv.skinny_linear(x, wq, None, (8, 128, 4, 3, False, 0, 2), weight_scale=s)
-    with pytest.raises(AssertionError, match="split-K tile"):
-        gemv.skinny_linear(torch.randn(2, 384, device=DEV).bfloat16(), wq, None,
-                           (8, 128, 4, 3, False, 0, 3), weight_scale=s)
-    y, ref = tile_and_reference((8, 128, 4, 3, False, 0, 3), (8, 128, 4, 3), x, wq, s,
-                                gemv.PLAIN, (None, None, 0.0))
-    assert rel_err(y, ref) < 1e-2
-
-
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's
 @pytest.mark.parametrize("prologue", ["plain", "add_norm"])
-@pytest.mark.parametrize("ksplit", [1, 2])
-def test_byte_half_tiles_fall_back_to_fp32_products_where_fp16_overflows(prologue, ksplit):
+def test_byte_half_tiles_fall_back_to_fp32_products_where_fp16_overflows(prologue):
     """Inputs of 1e6 overflow the fp16 products (448 x 1e6 / 1024 > 65,504): the tile redoes
     its columns with fp32 products, so the result is finite and equals the fp32 tile's within
-    a bf16 rounding, whole K or split."""
+    a bf16 rounding."""
     from pagedbackend.kernels import gemv
     from pagedbackend.layers.quantization import quantize_weight_fp8
     n, k = (4096, 4096) if CUDA else (32, 512)
@@ -347,7 +301,7 @@ def test_byte_half_tiles_fall_back_to_fp32_products_where_fp16_overflows(prologu
     r = torch.zeros(1, k, device=DEV).bfloat16()
     g = torch.ones(k, device=DEV).bfloat16()
     args = (r, g, 1e-5) if kind == gemv.ADD_NORM else (None, None, 0.0)
-    cfg = (8, 128, 4, 3, False, 3) + ((ksplit,) if ksplit > 1 else ())
+    cfg = (8, 128, 4, 3, False, 3)
     y, ref = tile_and_reference(cfg, cfg[:4], x, wq, s, kind, args)
     assert y.isfinite().all()
     assert rel_err(y, ref) < 1e-2

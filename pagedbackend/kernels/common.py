@@ -206,7 +206,7 @@ _OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 def split_k_buffers(device: torch.device, sums: int, tiles: int):
-    """The split-K workspace of gemv.py's and gemv_w4.py's tiles: one per device, shared by
+    """The split-K workspace of gemv_w4.py's tiles: one per device, shared by
     every launch (launches on one stream run one after another; under programmatic dependent
     launch a kernel touches it only after its wait for the previous one)."""
     have = SPLIT_K_BUFFERS.get(device)

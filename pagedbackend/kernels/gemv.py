@@ -23,8 +23,7 @@ import triton.language as tl
 
 from pagedbackend.kernels.common import (INTERPRET, dot_precision, l2_prefetch, mma,
                                          pair_sum_into_first, pdl_launch, pdl_trigger, pdl_wait,
-                                         prefetch_programs, split_k_arrive, split_k_buffers,
-                                         split_k_sum)
+                                         prefetch_programs)
 
 MAX_ROWS = 4
 # (BLOCK_N, BLOCK_K at one row, num_warps, num_stages); BLOCK_K shrinks as rows grow so the
@@ -68,12 +67,8 @@ FP8_HALF_CANDIDATES = ((8, 1024, 4, 3, False, 3), (16, 512, 4, 4, False, 3),
                        (4, 2048, 4, 4, False, 3), (8, 1024, 4, 5, False, 3),
                        (32, 256, 4, 4, False, 3), (16, 1024, 8, 3, False, 3))
 INT8_HALF_CANDIDATES = tuple(c[:5] + (4,) for c in FP8_HALF_CANDIDATES)
-# the same with K split over 2 or 4 programs (a seventh element; gemv_w4's split-K): o_proj and
-# q|k|v (N = 4096-6144) read at 1.8-2.1 TB/s on the H100 where gate|up read 2.7 (call 61)
-FP8_HALF_SPLIT_CANDIDATES = ((8, 1024, 4, 3, False, 3, 2), (8, 1024, 4, 5, False, 3, 2),
-                             (4, 2048, 4, 4, False, 3, 2), (8, 1024, 4, 3, False, 3, 4),
-                             (16, 512, 4, 4, False, 3, 4))
-INT8_HALF_SPLIT_CANDIDATES = tuple(c[:5] + (4,) + c[6:] for c in FP8_HALF_SPLIT_CANDIDATES)
+# (Their split-K forms, K over 2 or 4 programs as gemv_w4's, were tried and removed: 0.76-0.95x
+# the whole-K tile at every llama-3.1-8b shape, H100 call 64.)
 # The tensor-core tiles compute any row count up to this (BLOCK_M = rows rounded up to a power
 # of two, at least 16); the engine hands the kernel at most MAX_ROWS. perf/gemm_bench.py
 # --triton times them against cuBLAS at wider steps, in bf16: in fp32 a 64-row input tile of
@@ -229,18 +224,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
                    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
-                   ws_ptr, ss_ws_ptr, cnt_ptr, KSPLIT: tl.constexpr):
+                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
     pid = tl.program_id(0)
-    # split-K (KSPLIT > 1, one row): program (pid, ks) sums K / KSPLIT columns from
-    # ks * K / KSPLIT (a multiple of BLOCK_K, hinted so the loads keep their layout)
-    ks = tl.program_id(1)
-    if KSPLIT > 1:
-        k_len = K // KSPLIT
-        k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
-    else:       # the loop of the tiles without a split, as it was timed (calls 40-63)
-        k_len = K
-        k_lo = 0
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
@@ -254,7 +239,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
     store_ok = (m < M - M * tl.minimum(pid, 1))[:, None]
     pdl_trigger(USE_PDL)
     if PREFETCH:        # the first programs' weight rows (contiguous) start towards L2 now
-        if pid < prefetch_programs and ks == 0:
+        if pid < prefetch_programs:
             l2_prefetch(w_ptr + pid * BLOCK_N * stride_wn,
                         BLOCK_N * K * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
     pdl_wait(USE_PDL)
@@ -265,8 +250,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
         acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
-        k = tl.multiple_of(k0, BLOCK_K) + kk
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
         x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K, EVEN_K,
                             PROLOGUE)
         if PROLOGUE == 1 or PROLOGUE == 2:
@@ -306,37 +291,24 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
         # inf or NaN in its row's sum: the tile's columns again with fp32 products (rare, and
         # cheap when not taken: one reduction)
         if tl.sum(((y != y) | (tl.abs(y) > 3.0e38)).to(tl.int32)) > 0:
-            y = _skinny_row_fp32(x_rows, r_rows, r_out_rows, g_ptr, w_rows, k_lo, k_len, kk,
-                                 store_ok, m_ok, n_ok, K, BLOCK_N, BLOCK_K, EVEN_K, PROLOGUE)
+            y = _skinny_row_fp32(x_rows, r_rows, r_out_rows, g_ptr, w_rows, kk, store_ok, m_ok,
+                                 n_ok, K, BLOCK_N, BLOCK_K, EVEN_K, PROLOGUE)
     elif WIDEN:
         y = y * Y_UP
-    if KSPLIT > 1:
-        # as gemv_w4's split-K: each split's sums (and its sum of squares, for the norms) to
-        # the workspace; the tile's last split, known from a count taken after a barrier,
-        # adds them in split order, finishes the tile and resets the count
-        tl.store(ws_ptr + ks * N + n[None, :], y, mask=(n < N)[None, :])
-        tl.store(ss_ws_ptr + pid * KSPLIT + ks + m, ss)
-        if split_k_arrive(cnt_ptr, pid) == KSPLIT - 1:
-            y = split_k_sum(ws_ptr, n[None, :], (n < N)[None, :], N, KSPLIT)
-            ss = split_k_sum(ss_ws_ptr + pid * KSPLIT, m, m < BLOCK_M, 1, KSPLIT)
-            tl.store(cnt_ptr + pid, 0)
-            _skinny_finish(y, ss, eps, K, s_ptr, b_ptr, y_ptr, n, m, N, m_ok, stride_ym,
-                           HAS_SCALE, HAS_BIAS, PROLOGUE)
-    else:
-        _skinny_finish(y, ss, eps, K, s_ptr, b_ptr, y_ptr, n, m, N, m_ok, stride_ym,
-                       HAS_SCALE, HAS_BIAS, PROLOGUE)
+    _skinny_finish(y, ss, eps, K, s_ptr, b_ptr, y_ptr, n, m, N, m_ok, stride_ym, HAS_SCALE,
+                   HAS_BIAS, PROLOGUE)
 
 
 @triton.jit
-def _skinny_row_fp32(x_rows, r_rows, r_out_rows, g_ptr, w_rows, k_lo, k_len, kk, store_ok,
-                     m_ok, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, PROLOGUE: tl.constexpr):
-    """One row's sums over columns [k_lo, k_lo + k_len) with fp32 products of the one-byte
-    weights (triton's conversion), [1, BLOCK_N]: the fp16-pair tiles' way out of an overflow.
-    The prologue runs again as it ran (the residual sum it stores is the same)."""
+def _skinny_row_fp32(x_rows, r_rows, r_out_rows, g_ptr, w_rows, kk, store_ok, m_ok, n_ok, K,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     PROLOGUE: tl.constexpr):
+    """One row's sums with fp32 products of the one-byte weights (triton's conversion),
+    [1, BLOCK_N]: the fp16-pair tiles' way out of an overflow. The prologue runs again as it
+    ran (the residual sum it stores is the same)."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
-        k = tl.multiple_of(k0, BLOCK_K) + kk
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
         x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K, EVEN_K,
                             PROLOGUE)
         w = tl.load(w_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0)
@@ -359,13 +331,12 @@ def _skinny_finish(y, ss, eps, K, s_ptr, b_ptr, y_ptr, n, m, N, m_ok, stride_ym,
              y.to(y_ptr.dtype.element_ty), mask=m_ok & (n < N)[None, :])
 
 
-def byte_half_fits(config: tuple, k: int, ksplit: int = 1) -> bool:
+def byte_half_fits(config: tuple, k: int) -> bool:
     """Whether an fp16-pair tile (WIDEN 3 / 4) gives every thread eight consecutive bytes of a
-    row (or a multiple) with no masked tail along K (nor along a split's K / ksplit):
-    _byte_half_step takes them eight at a time."""
+    row (or a multiple) with no masked tail along K: _byte_half_step takes them eight at a
+    time."""
     block_n, block_k, warps = config[:3]
-    return k % (block_k * ksplit) == 0 and block_k % 16 == 0 \
-        and block_n * block_k >= 8 * 32 * warps
+    return k % block_k == 0 and block_k % 16 == 0 and block_n * block_k >= 8 * 32 * warps
 
 
 def tile_block_k(block_k1: int, block_m: int, k: int, use_dot: bool = False) -> int:
@@ -399,8 +370,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_n, block_k1, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
     widen = dot[1] if len(dot) > 1 else 0
-    # a seventh element splits K (FP8_HALF_SPLIT_CANDIDATES / INT8_HALF_SPLIT_CANDIDATES)
-    ksplit = dot[2] if len(dot) > 2 else 1
     assert not widen or not use_dot and (widen < 3 or m == 1) and weight.dtype == (
         torch.int8 if widen == 4 else torch.float8_e4m3fn), \
         f"tile {config} widens {'int8' if widen == 4 else 'e4m3'} weights" \
@@ -412,11 +381,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert weight_scale is None or weight_scale.shape == (n,) and weight_scale.is_contiguous()
     block_m = max(16, rows_bucket(m)) if use_dot else rows_bucket(m)
     block_k = tile_block_k(block_k1, block_m, k, use_dot)
-    assert widen < 3 or byte_half_fits((block_n, block_k, warps), k, ksplit), \
-        f"fp16-pair tile {config} needs K {k} a multiple of its BLOCK_K (times its splits) " \
-        "and 8 bytes a thread"
-    assert ksplit == 1 or m == 1 and not use_dot and k % (block_k * ksplit) == 0, \
-        f"split-K tile {config} takes one row and K ({k}) a multiple of BLOCK_K x its splits"
+    assert widen < 3 or byte_half_fits((block_n, block_k, warps), k), \
+        f"fp16-pair tile {config} needs K {k} a multiple of its BLOCK_K and 8 bytes a thread"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     r = r_out = x
     if prologue in (NORM, ADD_NORM):
@@ -428,13 +394,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # a program's weight rows are contiguous: block_n * k elements (all in bounds if EVEN_N)
     pf = prefetch_programs(weight, block_n * k * weight.element_size(), prologue == PLAIN) \
         if even_n else 0
-    tiles = triton.cdiv(n, block_n)
-    if ksplit > 1:
-        ws, counts = split_k_buffers(x.device, ksplit * (n + tiles), tiles)
-        ws, ss_ws = ws[:ksplit * n], ws[ksplit * n:]
-    else:
-        ws = ss_ws = counts = y
-    _skinny_kernel[(tiles, ksplit)](
+    _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, y, r, r_out,
         norm_weight if norm_weight is not None else weight, eps, m, n, k,
@@ -442,7 +402,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         HAS_SCALE=weight_scale is not None, EVEN_N=even_n, EVEN_K=k % block_k == 0,
         PROLOGUE=prologue, PREFETCH=pf > 0,
-        USE_DOT=use_dot, PRECISION=dot_precision(x.dtype), WIDEN=widen, ws_ptr=ws,
-        ss_ws_ptr=ss_ws, cnt_ptr=counts, KSPLIT=ksplit, num_warps=warps,
+        USE_DOT=use_dot, PRECISION=dot_precision(x.dtype), WIDEN=widen, num_warps=warps,
         num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y

@@ -19,9 +19,8 @@ import torch.nn.functional as F
 import triton
 
 from pagedbackend.kernels.gemv import (ADD_NORM, CANDIDATES, DOT_CANDIDATES, FP8_CANDIDATES,
-                                       FP8_HALF_CANDIDATES, FP8_HALF_SPLIT_CANDIDATES,
-                                       FP8_WIDEN_CANDIDATES, INT8_HALF_CANDIDATES,
-                                       INT8_HALF_SPLIT_CANDIDATES, MAX_ROWS, NORM, PLAIN, SILU_MUL,
+                                       FP8_HALF_CANDIDATES, FP8_WIDEN_CANDIDATES,
+                                       INT8_HALF_CANDIDATES, MAX_ROWS, NORM, PLAIN, SILU_MUL,
                                        byte_half_fits, rows_bucket, skinny_linear, tile_block_k)
 from pagedbackend.layers.fp8_inputs import fp8_norm_linear, fp8_silu_linear, fused_quant_active
 from pagedbackend.layers.quantization import dequantize, scaled_linear
@@ -171,20 +170,16 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
 
 def byte_half_tiles(rows: int, weight: torch.Tensor, scale: torch.Tensor | None,
                     dtype: torch.dtype) -> tuple:
-    """The fp16-pair tiles (gemv.FP8_HALF_CANDIDATES / INT8_HALF_CANDIDATES, and their split-K
-    forms) a shape may try: one row of a 16-bit input (an fp32 model keeps its fp32 products),
-    one-byte weights, eight bytes a thread and K a multiple of the tile's BLOCK_K (times its
-    splits)."""
+    """The fp16-pair tiles (gemv.FP8_HALF_CANDIDATES / INT8_HALF_CANDIDATES) a shape may try:
+    one row of a 16-bit input (an fp32 model keeps its fp32 products), one-byte weights, eight
+    bytes a thread and K a multiple of the tile's BLOCK_K."""
     if rows != 1 or scale is None or dtype == torch.float32:
         return ()
-    cands = FP8_HALF_CANDIDATES + FP8_HALF_SPLIT_CANDIDATES \
-        if weight.dtype == torch.float8_e4m3fn \
-        else INT8_HALF_CANDIDATES + INT8_HALF_SPLIT_CANDIDATES if weight.dtype == torch.int8 \
-        else ()
+    cands = FP8_HALF_CANDIDATES if weight.dtype == torch.float8_e4m3fn \
+        else INT8_HALF_CANDIDATES if weight.dtype == torch.int8 else ()
     k = weight.shape[1]
     return tuple(c for c in cands
-                 if byte_half_fits((c[0], tile_block_k(c[1], 1, k), c[2]), k,
-                                   c[6] if len(c) > 6 else 1))
+                 if byte_half_fits((c[0], tile_block_k(c[1], 1, k), c[2]), k))
 
 
 def agrees(out: torch.Tensor, ref: torch.Tensor) -> bool:
