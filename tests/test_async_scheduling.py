@@ -165,7 +165,8 @@ def test_timing_summary_counts_steps_by_path(tiny_dir):
     """The step split says how each step ran: on the CPU (no graphs) a step of decode rows
     alone is "eager", one where a new prompt joins running decodes is "mixed_eager"; the
     counts add up to the steps timed (the start-up warm-up not among them) and reset with the
-    rest."""
+    rest. path_ms gives the mean time a step of each path that ran took (wall time on the
+    CPU): within the mean step time of the whole split, summed over paths."""
     llm = LLM(tiny_dir, dtype="float32", block_size=4, num_kv_blocks=64)
     eng = llm.engine
     eng.runner.warmup()         # as on CUDA at start: its steps are not counted
@@ -181,4 +182,9 @@ def test_timing_summary_counts_steps_by_path(tiny_dir):
     assert paths["decode_graph"] == paths["prefill_graph"] == 0
     assert paths["mixed_eager"] >= 1 and paths["eager"] >= 3
     assert sum(paths.values()) == split["steps"]
+    ms = split["path_ms"]
+    assert set(ms) == {"eager", "mixed_eager"} and all(v > 0 for v in ms.values())
+    total = split["step_ms"] * split["steps"]
+    assert sum(ms[k] * paths[k] for k in ms) <= total * 1.05
     assert set(eng.timing_summary()["path_steps"].values()) == {0}
+    assert "path_ms" in eng.timing_summary() and not eng.timing_summary()["path_ms"]

@@ -443,7 +443,8 @@ def test_each_busy_period_is_reported_once_from_the_sender_thread():
     class TimedEngine(FakeEngine):
         def timing_summary(self, reset=False):
             return {"steps": self.steps, "host_ms": 0.5, "note": "not a number",
-                    "path_steps": {"decode_graph": 3, "mixed_eager": 1}}
+                    "path_steps": {"decode_graph": 3, "mixed_eager": 1},
+                    "path_ms": {"decode_graph": 3.42, "mixed_eager": 40.0}}
 
         def step(self):
             if self.steps % 2 == 0:     # slow steps in each period: the slowest is named
@@ -473,7 +474,8 @@ def test_each_busy_period_is_reported_once_from_the_sender_thread():
         assert m and 4 <= int(m.group(1)) <= 6, line
         assert "engine step split: steps " in line and "host_ms 0.5" in line
         assert "not a number" not in line
-        assert line.endswith("; steps by path: decode_graph 3, mixed_eager 1"), line
+        assert line.endswith("; steps by path: decode_graph 3, mixed_eager 1; ms a step by "
+                             "path: decode_graph 3.42, mixed_eager 40"), line
         slow = re.search(r"slowest step ([0-9.]+) ms at \+([0-9.]+) s", line)
         assert slow and float(slow.group(1)) >= 120 and float(slow.group(2)) < 5, line
 

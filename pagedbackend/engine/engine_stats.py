@@ -28,10 +28,15 @@ class StepTiming:
         self.postprocess_s += t3 - t2
 
     def summary(self, sync_wait_s: float, gpu_busy_s: float = 0.0,
-                path_steps: Optional[dict] = None) -> dict:
+                path_steps: Optional[dict] = None,
+                path_time: Optional[tuple[dict, dict]] = None) -> dict:
         """Per-step means. gpu_busy_ms (CUDA) is the device time from a step's first upload to
         its ids being copied out; gpu_idle_fraction = 1 - busy / wall over the steps timed;
-        path_steps: the runner's step counts by path (model_runner.new_path_steps)."""
+        path_steps: the runner's step counts by path (model_runner.new_path_steps);
+        path_time: the runner's (seconds, steps timed) by path, reported as path_ms, the mean
+        milliseconds a step of each path took (device time on CUDA, wall time on the CPU)."""
+        path_ms = {k: path_time[0][k] / c * 1e3 for k, c in path_time[1].items() if c} \
+            if path_time is not None else None
         n = max(1, self.steps)
         host = self.schedule_s + self.execute_s + self.postprocess_s - sync_wait_s
         return {"steps": self.steps, "tokens_per_step": self.tokens / n,
@@ -43,7 +48,8 @@ class StepTiming:
                 "gpu_busy_ms": gpu_busy_s / n * 1e3,
                 "gpu_idle_fraction": (max(0.0, 1 - gpu_busy_s / self.wall_s)
                                       if gpu_busy_s and self.wall_s else None),
-                **({"path_steps": dict(path_steps)} if path_steps is not None else {})}
+                **({"path_steps": dict(path_steps)} if path_steps is not None else {}),
+                **({"path_ms": path_ms} if path_ms is not None else {})}
 
 
 @dataclass

@@ -78,7 +78,9 @@ class LLMEngine:
         """Mean per-step split: host work vs waiting for the GPU at the one sync."""
         out = self.timing.summary(getattr(self.runner, "sync_wait_s", 0.0),
                                   getattr(self.runner, "gpu_busy_s", 0.0),
-                                  getattr(self.runner, "path_steps", None))
+                                  getattr(self.runner, "path_steps", None),
+                                  (self.runner.path_s, self.runner.path_timed)
+                                  if hasattr(self.runner, "path_timed") else None)
         if reset:
             self.timing = StepTiming()
             if hasattr(self.runner, "reset_timing"):    # the TP driver keeps no counters

@@ -42,6 +42,9 @@ class BusyPeriod:
                 if split.get("path_steps"):
                     line += "; steps by path: " + ", ".join(
                         f"{k} {v}" for k, v in split["path_steps"].items())
+                if split.get("path_ms"):
+                    line += "; ms a step by path: " + ", ".join(
+                        f"{k} {v:.3g}" for k, v in split["path_ms"].items())
             except Exception as e:  # noqa: BLE001 - a note must never stop the loop
                 line += f"; no step split ({type(e).__name__})"
         return line

@@ -53,6 +53,8 @@ class Launched:
     # a verification step (spec_decode/verify.Verification): ids is [R, 1 + k], each row's
     # tokens, -1 padded
     verified: Any = None
+    path: str = ""                      # how forward_logits ran it (new_path_steps' keys)
+    t_launch: float = 0.0               # perf_counter() at launch (the CPU's step time)
 
 
 def make_attn_backend(device: torch.device):
@@ -113,6 +115,12 @@ class ModelRunner:
         self.sync_wait_s = 0.0
         self.gpu_busy_s = 0.0
         self.path_steps = new_path_steps()
+        # seconds and steps timed by path: on CUDA a step's device time (first upload -> ids
+        # copied), on the CPU its wall time from launch to the ids (the forward runs there
+        # synchronously); steps that sample no row (a prompt's middle chunks) are not timed
+        self.path_s = dict.fromkeys(self.path_steps, 0.0)
+        self.path_timed = dict.fromkeys(self.path_steps, 0)
+        self._path = ""
 
     # -- KV cache ------------------------------------------------------------------------
     def init_kv_cache(self, max_num_batched_tokens: int, max_model_len: int,
@@ -268,6 +276,7 @@ class ModelRunner:
         if graphs and self.graphs is not None and h.decode_only and not h.num_drafts \
                 and self.graphs.bucket(len(h.tokens)):
             self.path_steps["decode_graph"] += 1
+            self._path = "decode_graph"
             # The graph's static int32 buffers take the int64 uploads by copy (no casts here).
             tokens, positions, slots, _, seq_lens, table, rows = self._upload_step(h)
             logits = self.graphs.run(tokens, positions, slots, seq_lens, table)
@@ -280,11 +289,13 @@ class ModelRunner:
             and (len(h.q_lens) == 1 or h.num_drafts) else None
         if key is not None:
             self.path_steps["prefill_graph"] += 1
+            self._path = "prefill_graph"
             tokens, positions, slots, cu, seq_lens, table, rows = self._upload_step(h)
             return self.prefill_graphs.run(key, tokens, positions, slots, cu, seq_lens, table,
                                            rows)
         mixed = not h.decode_only and bool((h.q_lens == 1).any())
-        self.path_steps["mixed_eager" if mixed else "eager"] += 1
+        self._path = "mixed_eager" if mixed else "eager"
+        self.path_steps[self._path] += 1
         inputs = self.to_device(h)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         if len(h.plp_idx):
@@ -304,12 +315,16 @@ class ModelRunner:
         """Queue the step's work on the device and return at once: the sampled ids follow in
         finish(). A row whose last token is still in flight (async scheduling) reads it from
         the previous launch's sampled ids on the device."""
+        t0 = time.perf_counter()
         h = self.prepare(sched)
         start = None
         if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-        return self._sample_async(sched, h, self.forward_logits(h), start)
+        self._path = ""
+        launched = self._sample_async(sched, h, self.forward_logits(h), start)
+        launched.path, launched.t_launch = self._path, t0
+        return launched
 
     @torch.inference_mode()
     def sample(self, sched: SchedulerOutput, h: HostInputs,
@@ -363,7 +378,13 @@ class ModelRunner:
         ids = launched.ids.tolist()
         self.sync_wait_s += time.perf_counter() - t0
         if launched.start is not None:
-            self.gpu_busy_s += launched.start.elapsed_time(launched.done) / 1e3
+            busy = launched.start.elapsed_time(launched.done) / 1e3
+            self.gpu_busy_s += busy
+        else:
+            busy = time.perf_counter() - launched.t_launch if launched.t_launch else 0.0
+        if launched.path:
+            self.path_s[launched.path] += busy
+            self.path_timed[launched.path] += 1
         reqs = launched.reqs
         accepted, spec_logprobs = {}, {}
         if launched.verified is not None:
