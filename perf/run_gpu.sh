@@ -9,9 +9,11 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (after calls 64-68 on an H100, perf/RESULTS.md): on an H200, "w1bytes" (~7 min:
-# W1 with AWQ, fp8 and int8 beside bf16: the goals 500 / 420 / 400 are H200 figures), then
-# "servefp8" (~2.5 min) and "w4wide" (~2.5 min).
+# Next calls (after calls 64-68 on an H100, perf/RESULTS.md): on an H200, "int8wide w1bytes"
+# (~8 min: the one-pass int8 dequantization's parity, then W1 with AWQ, fp8 and int8 beside
+# bf16: the goals 500 / 420 / 400 are H200 figures; int8's TTFT was 4.8x fp8's before it),
+# then "servefp8" (~4.5 min: bf16 then fp8, the busy-period lines now timing each step path)
+# and "w4wide" (~2.5 min).
 run() {  # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -123,6 +125,8 @@ for s in $stages; do
     w1awq) run w1awq 300 python3 perf/w1_decode.py --ab awq ;;
     # the fp16-pair one-row tiles for e4m3 / int8 weights: GPU parity (their PTX), ~1 min
     bytehalf) run bytehalf 90 python3 -m pytest -q tests/test_fp8_kernels.py -k "byte_half" ;;
+    # int8 (and e4m3) weights dequantized in one kernel for the int8 layers' wider matmuls
+    int8wide) run int8wide 90 python3 -m pytest -q tests/test_kernels.py -k dequantize_rows ;;
     # W1 with AWQ, fp8 and int8 weights beside bf16 in one process (issues 23 and 27); the
     # engines' tuning takes most of it (330 s ran out at the third engine, H100 call 65)
     w1bytes) run w1bytes 480 python3 perf/w1_decode.py --ab awq,fp8w,int8 ;;

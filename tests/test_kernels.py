@@ -554,6 +554,28 @@ def test_skinny_linear_fp8_weights_matches_the_dequantized_weight(cfg, dtype):
         assert rel_err(y, torch.nn.functional.linear(act.float(), w)) < 2 * tol, m
 
 
+@pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
+def test_dequantize_rows_is_the_reference(wdtype):
+    """One-byte weights with per-row scales dequantized in one kernel (the int8 layers' wide
+    matmuls on the GPU): in fp32 equal to layers.quantization.dequantize, in bf16 within one
+    rounding of it (the interpreter truncates where the GPU rounds), at a shape no tile
+    divides; on CUDA int8_linear through it matches the fp32 product."""
+    from pagedbackend.kernels.quant import dequantize_rows
+    from pagedbackend.layers.quantization import (dequantize, int8_linear, quantize_weight_fp8,
+                                                  quantize_weight_int8)
+    n, k = (4100, 4104) if CUDA else (37, 300)
+    quant = quantize_weight_int8 if wdtype == torch.int8 else quantize_weight_fp8
+    wq, s = quant(torch.randn(n, k, device=DEV) * torch.logspace(-2, 1, n, device=DEV)[:, None])
+    want = dequantize(wq, s, torch.float32)
+    assert torch.equal(dequantize_rows(wq, s, torch.float32), want)
+    got = dequantize_rows(wq, s, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (n, k)
+    assert ((got.float() - want).abs() <= want.abs() * 2 ** -7).all()
+    if CUDA and wdtype == torch.int8:
+        x = torch.randn(300, k, device=DEV).bfloat16()
+        assert rel_err(int8_linear(x, wq, s), x.float() @ want.t()) < 1e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantize_rows_fp8_matches_reference(dtype):
     """The input of an FP8 matmul: each row scaled so its largest magnitude is 448, rounded to

@@ -60,3 +60,28 @@ def empty_fp8_rows(m: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The outputs of a per-row quantization: xq [m, n] e4m3 and scale [m, 1] fp32."""
     return (torch.empty((m, n), dtype=FP8, device=device),
             torch.empty((m, 1), dtype=torch.float32, device=device))
+
+
+@triton.jit
+def _dequantize_rows_kernel(q_ptr, s_ptr, w_ptr, N, K, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (n < N)[:, None] & (k < K)[None, :]
+    offs = n.to(tl.int64)[:, None] * K + k[None, :]
+    q = tl.load(q_ptr + offs, mask=ok).to(tl.float32)     # masked lanes are never stored
+    s = tl.load(s_ptr + n, mask=n < N, other=0.0)
+    tl.store(w_ptr + offs, (q * s[:, None]).to(w_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize_rows(wq: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """wq [N, K] (int8 or e4m3, contiguous) with per-row scales [N] fp32 -> wq * scale in dtype,
+    each weight rounded once from its fp32 product (layers.quantization.dequantize), in one
+    pass: one byte read and two written a weight."""
+    assert wq.dim() == 2 and wq.is_contiguous() and w_scale.numel() == wq.shape[0]
+    n, k = wq.shape
+    w = torch.empty((n, k), dtype=dtype, device=wq.device)
+    block_n, block_k = 16, 256
+    _dequantize_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        wq, w_scale.reshape(-1), w, n, k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return w
