@@ -136,7 +136,6 @@ def l2_prefetch(base, nbytes):
         is_pure=False, pack=1)
 
 
-@functools.lru_cache(maxsize=None)
 def pair_sum_into_first(pair: str, first: str) -> str:
     """The end of an eight-output inline-PTX block (pack=8: outputs $0-$7, the fp32
     accumulators $8-$15 among the inputs): the fp16 pair in register `pair` widened and its
@@ -148,6 +147,7 @@ def pair_sum_into_first(pair: str, first: str) -> str:
             + "".join(f"mov.b32 ${i}, ${i + 8};\n" for i in range(1, 8)) + "}")
 
 
+@functools.lru_cache(maxsize=None)
 def num_sms(device_index: int | None) -> int:
     """Streaming multiprocessors of a CUDA device (a small stand-in on the CPU interpreter)."""
     if device_index is None or not torch.cuda.is_available():
