@@ -163,8 +163,7 @@ def test_split_k_tiles_match_dequantize_then_matmul(cfg, dtype):
         other = packed_weight(2 * n, k, 4, group)
         gemv_w4.packed_gemv(x, other, None, cfg)
         assert torch.equal(gemv_w4.packed_gemv(x, pw, b, cfg), y)
-    common = importlib.import_module("pagedbackend.kernels.common")
-    _, counts = common.SPLIT_K_BUFFERS[x.device]
+    _, counts = gemv_w4._SPLIT_K[x.device]
     assert not counts.any(), "a tile's count of finished splits was left behind"
 
 

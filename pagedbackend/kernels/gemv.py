@@ -295,8 +295,14 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
                                  n_ok, K, BLOCK_N, BLOCK_K, EVEN_K, PROLOGUE)
     elif WIDEN:
         y = y * Y_UP
-    _skinny_finish(y, ss, eps, K, s_ptr, b_ptr, y_ptr, n, m, N, m_ok, stride_ym, HAS_SCALE,
-                   HAS_BIAS, PROLOGUE)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
+    if HAS_SCALE:
+        y = y * tl.load(s_ptr + n, mask=n < N, other=0.0)[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=m_ok & (n < N)[None, :])
 
 
 @triton.jit
@@ -314,21 +320,6 @@ def _skinny_row_fp32(x_rows, r_rows, r_out_rows, g_ptr, w_rows, kk, store_ok, m_
         w = tl.load(w_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0)
         acc += tl.sum(x, axis=0)[None, :] * w.to(tl.float32)
     return tl.sum(acc, axis=1)[None, :]
-
-
-@triton.jit
-def _skinny_finish(y, ss, eps, K, s_ptr, b_ptr, y_ptr, n, m, N, m_ok, stride_ym,
-                   HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr):
-    """The finished sums y [BLOCK_M, BLOCK_N] (fp32): the norm's 1/rms from the rows' sums of
-    squares ss, the weight scale, the bias, stored in y_ptr's dtype."""
-    if PROLOGUE == 1 or PROLOGUE == 2:
-        y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
-    if HAS_SCALE:
-        y = y * tl.load(s_ptr + n, mask=n < N, other=0.0)[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=m_ok & (n < N)[None, :])
 
 
 def byte_half_fits(config: tuple, k: int) -> bool:

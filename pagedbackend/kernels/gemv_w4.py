@@ -27,8 +27,7 @@ import triton.language as tl
 
 from pagedbackend.kernels.common import (INTERPRET, dot_precision, l2_prefetch, mma,
                                          pair_sum_into_first, pdl_launch, pdl_trigger, pdl_wait,
-                                         prefetch_programs, split_k_arrive, split_k_buffers,
-                                         split_k_sum)
+                                         prefetch_programs)
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL, _input_tile
 
 MAX_ROWS = 8
@@ -322,8 +321,12 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         mn = m[:, None] * N + n[None, :]
         ok = m_ok & n_ok[None, :]
         tl.store(ws_ptr + ks * M * N + mn, y, mask=ok)
-        if split_k_arrive(cnt_ptr, pid) == KSPLIT - 1:
-            y = split_k_sum(ws_ptr, mn, ok, M * N, KSPLIT)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if done == KSPLIT - 1:
+            y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(KSPLIT):
+                y += tl.load(ws_ptr + j * M * N + mn, mask=ok, other=0.0, cache_modifier=".cg")
             tl.store(cnt_ptr + pid, 0)
             if HAS_BIAS:
                 y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -385,6 +388,28 @@ def dequantize_packed(pw, dtype: torch.dtype) -> torch.Tensor:
     return w
 
 
+# device -> (fp32 partial sums, int32 counts per N tile), grown as needed; the counts are 0
+# between launches (the last split of a tile resets its own). A buffer that was outgrown is
+# kept: CUDA graphs captured with it still point at it.
+_SPLIT_K: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _split_k_buffers(device: torch.device, sums: int, tiles: int):
+    """The split-K workspace: one per device, shared by every launch (launches on one stream
+    run one after another; under programmatic dependent launch a kernel touches it only after
+    its wait for the previous one)."""
+    have = _SPLIT_K.get(device)
+    if have is None or have[0].numel() < sums or have[1].numel() < tiles:
+        if have is not None:
+            _OUTGROWN.append(have)
+            sums, tiles = max(sums, have[0].numel()), max(tiles, have[1].numel())
+        have = (torch.empty(sums, dtype=torch.float32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device))
+        _SPLIT_K[device] = have
+    return have
+
+
 def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
                 prologue: int = PLAIN, residual: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0):
@@ -413,7 +438,7 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         and half_fits(config, pw.group_size), f"HALF tile {config} takes one 16-bit row, " \
         f"no prologue and 8 code bytes a thread, not {m} rows of {x.dtype}, prologue " \
         f"{prologue}, group {pw.group_size}"
-    if use_dot and len(dot) > 1 and dot[1]:
+    if use_dot and len(dot) > 1:
         block_m = dot[1]
     else:
         assert m <= MAX_ROWS
@@ -431,7 +456,7 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         if n % block_n == 0 and row_tiles == 1 else 0
     tiles = triton.cdiv(n, block_n)
     # sized for MAX_ROWS at once: a graph captured later at more rows needs no new buffer
-    ws, counts = split_k_buffers(x.device, ksplit * MAX_ROWS * n, tiles) if ksplit > 1 \
+    ws, counts = _split_k_buffers(x.device, ksplit * MAX_ROWS * n, tiles) if ksplit > 1 \
         else (y, y)
     _packed_gemv_kernel[(tiles, row_tiles, ksplit)](
         x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, r, r_out,
