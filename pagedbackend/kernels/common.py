@@ -136,6 +136,15 @@ def l2_prefetch(base, nbytes):
         is_pure=False, pack=1)
 
 
+# The start of the fp16-pair blocks over eight code bytes of a row ($16, $17: two words):
+# prmt spreads bytes 0,1 (2,3) of each word to bytes 0 and 2 of t0-t3, one pair a register.
+SPREAD_BYTES_PTX = """prmt.b32 t0, $16, 0, 0x4140;
+prmt.b32 t1, $16, 0, 0x4342;
+prmt.b32 t2, $17, 0, 0x4140;
+prmt.b32 t3, $17, 0, 0x4342;
+"""
+
+
 def pair_sum_into_first(pair: str, first: str) -> str:
     """The end of an eight-output inline-PTX block (pack=8: outputs $0-$7, the fp32
     accumulators $8-$15 among the inputs): the fp16 pair in register `pair` widened and its

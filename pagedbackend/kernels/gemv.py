@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedbackend.kernels.common import (INTERPRET, dot_precision, l2_prefetch, mma,
-                                         pair_sum_into_first, pdl_launch, pdl_trigger, pdl_wait,
-                                         prefetch_programs)
+from pagedbackend.kernels.common import (INTERPRET, SPREAD_BYTES_PTX, dot_precision,
+                                         l2_prefetch, mma, pair_sum_into_first, pdl_launch,
+                                         pdl_trigger, pdl_wait, prefetch_programs)
 
 MAX_ROWS = 4
 # (BLOCK_N, BLOCK_K at one row, num_warps, num_stages); BLOCK_K shrinks as rows grow so the
@@ -169,18 +169,14 @@ cvt.rn.f16x2.e4m3x2 h1, a1;
 cvt.rn.f16x2.e4m3x2 h2, a2;
 cvt.rn.f16x2.e4m3x2 h3, a3;
 """ + _BYTE_HALF_CHAIN)
-# int8: prmt spreads bytes 0,1 (2,3) of a word to bytes 0 and 2; lop3 (a ^ 0x80) | 0x6400 puts
+# int8: the bytes spread in pairs (SPREAD_BYTES_PTX); lop3 (a ^ 0x80) | 0x6400 puts
 # q + 128 into fp16 1024's mantissa (1024 + 128 + q), and subtracting 1152 leaves q exactly
 _INT8_HALF_ASM = tl.constexpr("""{
 .reg .b32 t0, t1, t2, t3, h0, h1, h2, h3, p, c;
 .reg .b16 u0, u1;
 .reg .f32 f0, f1;
 mov.b32 c, 0x64806480;
-prmt.b32 t0, $16, 0, 0x4140;
-prmt.b32 t1, $16, 0, 0x4342;
-prmt.b32 t2, $17, 0, 0x4140;
-prmt.b32 t3, $17, 0, 0x4342;
-lop3.b32 t0, t0, 0x00800080, 0x64006400, 0xBE;
+""" + SPREAD_BYTES_PTX + """lop3.b32 t0, t0, 0x00800080, 0x64006400, 0xBE;
 lop3.b32 t1, t1, 0x00800080, 0x64006400, 0xBE;
 lop3.b32 t2, t2, 0x00800080, 0x64006400, 0xBE;
 lop3.b32 t3, t3, 0x00800080, 0x64006400, 0xBE;

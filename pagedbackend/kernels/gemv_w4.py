@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedbackend.kernels.common import (INTERPRET, dot_precision, l2_prefetch, mma,
-                                         pair_sum_into_first, pdl_launch, pdl_trigger, pdl_wait,
-                                         prefetch_programs)
+from pagedbackend.kernels.common import (INTERPRET, SPREAD_BYTES_PTX, dot_precision,
+                                         l2_prefetch, mma, pair_sum_into_first, pdl_launch,
+                                         pdl_trigger, pdl_wait, prefetch_programs)
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL, _input_tile
 
 MAX_ROWS = 8
@@ -125,7 +125,7 @@ HALF_DOWN, HALF_UP = tl.constexpr(2.0 ** -6), tl.constexpr(2.0 ** 6)
 
 # $8-$15 the accumulator (eight fp32), $16-$17 eight code bytes of one row (lo | hi << 4), $18-$21
 # x_even and $22-$25 x_odd (fp16 pairs), $26-$29 1024 + z and $30-$33 -(64 + z) (fp16 pairs),
-# $34 the row's scale. prmt spreads bytes 0,1 (2,3) of a word to bytes 0 and 2; lop3 (a & b) | c
+# $34 the row's scale. The bytes spread in pairs (SPREAD_BYTES_PTX); lop3 (a & b) | c
 # puts a nibble into fp16 1024's mantissa: 1024 + q (low nibble), 1024 + 16 q (high), so
 # subtracting 1024 + z, or scaling by 1/16 and adding -(64 + z), leaves q - z exactly. The
 # sixteen products are summed in fp16 pairs, widened, and added to the first accumulator with
@@ -135,11 +135,7 @@ _HALF_ASM = tl.constexpr("""{
 .reg .b16 u0, u1;
 .reg .f32 f0, f1;
 mov.b32 c, 0x2C002C00;
-prmt.b32 t0, $16, 0, 0x4140;
-prmt.b32 t1, $16, 0, 0x4342;
-prmt.b32 t2, $17, 0, 0x4140;
-prmt.b32 t3, $17, 0, 0x4342;
-lop3.b32 l0, t0, 0x000F000F, 0x64006400, 0xEA;
+""" + SPREAD_BYTES_PTX + """lop3.b32 l0, t0, 0x000F000F, 0x64006400, 0xEA;
 lop3.b32 l1, t1, 0x000F000F, 0x64006400, 0xEA;
 lop3.b32 l2, t2, 0x000F000F, 0x64006400, 0xEA;
 lop3.b32 l3, t3, 0x000F000F, 0x64006400, 0xEA;
