@@ -45,6 +45,23 @@ def row(name, t_ms, ref_ms, metric=""):
           flush=True)
 
 
+# llama-3.1-8b's four matmuls of a layer: (name, N, K)
+LLAMA_MATMULS = (("qkv", HIDDEN * 3 // 2, HIDDEN), ("o", HIDDEN, HIDDEN),
+                 ("gate_up", 2 * (HIDDEN * 7 // 2), HIDDEN), ("down", HIDDEN, HIDDEN * 7 // 2))
+
+
+def random_packed_weight(n: int, k: int):
+    """A 4-bit PackedWeight [N, K] of random codes in groups of 128 (scales up to 0.02, AWQ's
+    size: the tuner's check at K 14,336 failed on these before a9bf3b0)."""
+    from pagedbackend.layers.quant_grouped import PackedWeight
+    g = k // 128
+    return PackedWeight(4, 128, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8,
+                                              device=DEVICE),
+                        (torch.rand(g, n, device=DEVICE) * 0.02).half(),
+                        torch.randint(0, 16, (g, n), dtype=torch.uint8, device=DEVICE),
+                        None, None)
+
+
 def kv_bytes(seq_lens):
     return sum(seq_lens) * HKV * D * 2 * 2
 
@@ -280,19 +297,13 @@ def bench_w4():
     from pagedbackend.kernels.gemv_tuning import _time_us
     from pagedbackend.layers.activation import silu_and_mul
     from pagedbackend.layers.norm import fused_add_rms_norm
-    from pagedbackend.layers.quant_grouped import PackedWeight
-    inter = HIDDEN * 7 // 2
-    shapes = (("qkv", HIDDEN * 3 // 2, HIDDEN, gemv.ADD_NORM), ("o", HIDDEN, HIDDEN, gemv.PLAIN),
-              ("gate_up", 2 * inter, HIDDEN, gemv.ADD_NORM), ("down", HIDDEN, inter, gemv.SILU_MUL))
+    prologue = {"qkv": gemv.ADD_NORM, "o": gemv.PLAIN, "gate_up": gemv.ADD_NORM,
+                "down": gemv.SILU_MUL}
     lin = torch.nn.functional.linear
     split_table = []
-    for name, n, k, kind in shapes:
-        g = k // 128
-        pw = PackedWeight(4, 128, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8,
-                                                device=DEVICE),
-                          (torch.rand(g, n, device=DEVICE) * 0.02).half(),
-                          torch.randint(0, 16, (g, n), dtype=torch.uint8, device=DEVICE),
-                          None, None)
+    for name, n, k in LLAMA_MATMULS:
+        kind, g = prologue[name], k // 128
+        pw = random_packed_weight(n, k)
         nbytes = n * k // 2 + g * n * 3
         x = torch.randn(1, 2 * k if kind == gemv.SILU_MUL else k, device=DEVICE, dtype=DT)
         r, gn = torch.randn(1, k, device=DEVICE, dtype=DT), torch.ones(k, device=DEVICE, dtype=DT)
@@ -343,19 +354,10 @@ def bench_w4_wide():
     a 16-bit weight of the same shape. TFLOP/s: 2 x rows x N x K over the time."""
     from pagedbackend.kernels import gemv_w4
     from pagedbackend.kernels.gemv_tuning import _time_us
-    from pagedbackend.layers.quant_grouped import PackedWeight
-    inter = HIDDEN * 7 // 2
-    shapes = (("qkv", HIDDEN * 3 // 2, HIDDEN), ("o", HIDDEN, HIDDEN),
-              ("gate_up", 2 * inter, HIDDEN), ("down", HIDDEN, inter))
     lin = torch.nn.functional.linear
     table = []
-    for name, n, k in shapes:
-        g = k // 128
-        pw = PackedWeight(4, 128, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8,
-                                                device=DEVICE),
-                          (torch.rand(g, n, device=DEVICE) * 0.02).half(),
-                          torch.randint(0, 16, (g, n), dtype=torch.uint8, device=DEVICE),
-                          None, None)
+    for name, n, k in LLAMA_MATMULS:
+        pw = random_packed_weight(n, k)
         w16, w32 = pw.dequantize(DT), pw.dequantize(torch.float32)
         for rows in (512, 8192):
             x = torch.randn(rows, k, device=DEVICE, dtype=DT)
@@ -391,15 +393,12 @@ def bench_bytes():
     than 1e-2 is skipped). TB/s: the weights' bytes."""
     from pagedbackend.kernels import gemv
     from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
-    inter = HIDDEN * 7 // 2
-    shapes = (("qkv", HIDDEN * 3 // 2, HIDDEN), ("o", HIDDEN, HIDDEN),
-              ("gate_up", 2 * inter, HIDDEN), ("down", HIDDEN, inter))
     table = []
     for wname, quant, half in (("e4m3", quantize_weight_fp8, gemv.FP8_HALF_CANDIDATES),
                                ("int8", quantize_weight_int8, gemv.INT8_HALF_CANDIDATES)):
         plain = gemv.CANDIDATES + gemv.FP8_CANDIDATES[:4] \
             + (gemv.FP8_WIDEN_CANDIDATES if wname == "e4m3" else ())
-        for name, n, k in shapes:
+        for name, n, k in LLAMA_MATMULS:
             wq, sc = quant(torch.randn(n, k, device=DEVICE) / k ** 0.5)
             x = torch.randn(1, k, device=DEVICE, dtype=DT)
             ref = x.float() @ (wq.float() * sc[:, None]).t()
