@@ -269,6 +269,36 @@ def test_split_nibble_gemm_tiles(group, dtype):
         gemv_w4.packed_gemv(x, pw, None, cfgs[0], NORM, None, torch.ones(k, device=DEV), 1e-5)
 
 
+@pytest.mark.parametrize("bits,group,dtype", [(4, 32, torch.float32), (4, 128, torch.bfloat16),
+                                               (8, 64, torch.bfloat16)])
+def test_swap_ab_gemm_tiles(bits, group, dtype):
+    """The swap-AB GEMM tiles (the weight the dot's first operand, the output stored
+    transposed): the product of the dequantized weight, with a bias, at rows and outputs that
+    are not multiples of the tile; SPLIT ones offered for 4-bit codes only, no prologue."""
+    from pagedbackend.kernels.gemv import NORM
+    tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
+    n, k = (4096, 4096) if CUDA else (40, 256)
+    cfgs = gemv_w4.SWAP_CANDIDATES if CUDA else (("t", 32, 16, 64, 4, 2, False),
+                                                 ("t", 32, 16, 64, 4, 2, True))
+    if CUDA and dtype == torch.float32:     # fp32 input tiles of 256 rows overflow shared memory
+        cfgs = [c for c in cfgs if c[2] <= 128]
+    cfgs = [c for c in cfgs if not c[6] or bits == 4]
+    pw = packed_weight(n, k, bits, group)
+    w = torch_dequantize(pw)
+    x = torch.randn(300 if CUDA else 37, k, device=DEV).to(dtype)
+    b = torch.randn(n, device=DEV).to(dtype)
+    for cfg in cfgs:
+        y = gemv_w4.packed_gemv(x, pw, b, cfg)
+        assert y.shape == (x.shape[0], n) and y.dtype == dtype
+        assert rel_err(y, x.float() @ w.t() + b.float()) < \
+            (1e-5 if dtype == torch.float32 else 1e-2), cfg
+    offered = set(tuning._tiles(16, pw))
+    assert all((c in offered) == (not c[6] or bits == 4) for c in gemv_w4.SWAP_CANDIDATES)
+    assert not set(gemv_w4.SWAP_CANDIDATES) & set(tuning._tiles(8, pw))     # decode steps
+    with pytest.raises(AssertionError, match="no prologue"):
+        gemv_w4.packed_gemv(x, pw, None, cfgs[0], NORM, None, torch.ones(k, device=DEV), 1e-5)
+
+
 @pytest.mark.parametrize("cfg", [gemv_w4.CANDIDATES[1], gemv_w4.DOT_CANDIDATES[1], SPLIT],
                          ids=["fma", "dot", "split"])
 def test_packed_gemv_prologues(cfg):

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from pagedbackend.kernels.common import (INTERPRET, SPREAD_BYTES_PTX, dot_precision,
-                                         l2_prefetch, mma, pair_sum_into_first, pdl_launch,
-                                         pdl_trigger, pdl_wait, prefetch_programs)
+                                         l2_prefetch, mma, pair_sum_into_first, pdl_enter,
+                                         pdl_launch, pdl_trigger, pdl_wait, prefetch_programs)
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL, _input_tile
 
 MAX_ROWS = 8
@@ -62,6 +62,16 @@ GEMM_CANDIDATES = ((128, 64, 8, 3, True, 128), (128, 64, 4, 4, True, 64),
                    (128, 64, 8, 3, True, 128, True), (128, 128, 8, 3, True, 128, True),
                    (128, 64, 4, 4, True, 64, True), (256, 64, 8, 3, True, 128, True),
                    (128, 64, 8, 4, True, 256, True))
+# swap-AB GEMM tiles ("t", BLOCK_N, BLOCK_M, SUB_K, num_warps, num_stages, SPLIT): the weight
+# tile is the dot's first operand, acc[BLOCK_N, BLOCK_M] = W x^T, so the dequantized codes can
+# feed the tensor cores from registers (wgmma's A) where the tiles above make them the second
+# operand, which goes through shared memory; the input tile, loaded as it is, is the one staged.
+# Programs that share a weight tile run side by side (the row tiles vary fastest), so its codes
+# come from HBM about once. SPLIT (4-bit codes) takes the nibbles as _nibbles_piece gives them.
+SWAP_CANDIDATES = (("t", 64, 128, 64, 4, 3, False), ("t", 128, 128, 64, 8, 3, False),
+                   ("t", 128, 256, 64, 8, 3, False), ("t", 64, 256, 64, 4, 3, False),
+                   ("t", 64, 128, 128, 4, 3, True), ("t", 128, 128, 128, 8, 3, True),
+                   ("t", 128, 256, 128, 8, 3, True), ("t", 128, 64, 128, 4, 4, True))
 MAX_GEMM_ROWS = 16384
 
 
@@ -336,6 +346,41 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
 
 
 @triton.jit
+def _swap_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                      m_tiles, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_M: tl.constexpr, SUB_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    """SWAP_CANDIDATES' tiles: y[m, n] for BLOCK_M rows and BLOCK_N outputs as (W x^T)^T."""
+    pid = tl.program_id(0)
+    pid_m = pid % m_tiles
+    n = (pid // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = (m < M)[:, None]
+    q_rows = q_ptr + n.to(tl.int64)[:, None] * (K * BITS // 8)
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    wt = y_ptr.dtype.element_ty
+    pdl_enter(USE_PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, SUB_K):
+        kk = tl.multiple_of(k0, SUB_K)
+        xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
+        if SPLIT:
+            lo, hi, s = _nibbles_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BLOCK_N,
+                                       SUB_K)
+            xe, xo = xc.reshape(BLOCK_M, SUB_K // 2, 2).split()
+            acc += mma((lo * s[:, None]).to(wt), tl.trans(xe.to(wt)), PRECISION)
+            acc += mma((hi * s[:, None]).to(wt), tl.trans(xo.to(wt)), PRECISION)
+        else:
+            w = _codes_tile(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N, SUB_K)
+            acc += mma(w.to(wt), tl.trans(xc.to(wt)), PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None], acc.to(wt),
+             mask=n_ok[:, None] & (m < M)[None, :])
+
+
+@triton.jit
 def _dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, BITS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -415,6 +460,8 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     NORM, ADD_NORM (returning (y, x + residual)) and SILU_MUL (x = gate | up, [M, 2K])."""
     m = x.shape[0]
     n, k = pw.shape
+    if config[0] == "t":
+        return _swap_gemm(x, pw, bias, config, prologue)
     block_n, block_k, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
     # SPLIT_CANDIDATES (1), HALF_CANDIDATES (2); a seventh element splits K (KSPLIT_CANDIDATES),
@@ -464,3 +511,21 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
         PREFETCH=pf > 0, num_warps=warps, num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
+
+
+def _swap_gemm(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple, prologue: int):
+    """packed_gemv with a SWAP_CANDIDATES tile (no prologue; SPLIT for 4-bit codes)."""
+    _, block_n, block_m, sub_k, warps, stages, split = config
+    assert prologue == PLAIN, f"swap-AB tile {config} takes no prologue, not {prologue}"
+    assert not split or pw.bits == 4, f"SPLIT tiles read 4-bit codes, not {pw.bits}-bit"
+    assert x.stride(1) == 1 and pw.g_idx is None and x.shape[1] == pw.shape[1]
+    m, (n, k) = x.shape[0], pw.shape
+    sub_k = _block_k(sub_k, pw.group_size)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    m_tiles = triton.cdiv(m, block_m)
+    _swap_gemm_kernel[(m_tiles * triton.cdiv(n, block_n),)](
+        x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, m, n, k,
+        x.stride(0), y.stride(0), m_tiles, GROUP=pw.group_size, BITS=pw.bits, BLOCK_N=block_n,
+        BLOCK_M=block_m, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=bool(split),
+        PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **pdl_launch(x))
+    return y

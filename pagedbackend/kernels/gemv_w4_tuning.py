@@ -22,8 +22,8 @@ import triton
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL
 from pagedbackend.kernels.gemv_w4 import (CANDIDATES, DOT_CANDIDATES, GEMM_CANDIDATES,
                                           HALF_CANDIDATES, KSPLIT_CANDIDATES, MAX_GEMM_ROWS,
-                                          MAX_ROWS, SPLIT_CANDIDATES, _block_k, half_fits,
-                                          packed_gemv)
+                                          MAX_ROWS, SPLIT_CANDIDATES, SWAP_CANDIDATES,
+                                          _block_k, half_fits, packed_gemv)
 
 logger = logging.getLogger("pagedbackend")
 
@@ -103,8 +103,10 @@ def _tiles(rows: int, pw, dtype: torch.dtype = torch.bfloat16) -> tuple:
     # tiles that keep them to <= 64 registers a thread (SPLIT tiles hold half as many: the
     # same bound, with room to spare); SPLIT tiles read 4-bit codes only, HALF tiles one row
     # of a 16-bit input (fp16 sums) with eight code bytes a thread
-    if rows > MAX_ROWS:     # the split-nibble GEMM tiles (a seventh element) read 4-bit codes
-        return tuple(c for c in GEMM_CANDIDATES if len(c) < 7 or pw.bits == 4)
+    if rows > MAX_ROWS:     # the split-nibble GEMM tiles (a seventh element True) and the
+        # swap-AB ones with SPLIT read 4-bit codes
+        return tuple(c for c in GEMM_CANDIDATES if len(c) < 7 or pw.bits == 4) \
+            + tuple(c for c in SWAP_CANDIDATES if not c[6] or pw.bits == 4)
     fma = CANDIDATES + (SPLIT_CANDIDATES if pw.bits == 4 else ())
     if rows == 1:
         half_ok = pw.bits == 4 and dtype != torch.float32
