@@ -278,8 +278,8 @@ def test_swap_ab_gemm_tiles(bits, group, dtype):
     from pagedbackend.kernels.gemv import NORM
     tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
     n, k = (4096, 4096) if CUDA else (40, 256)
-    cfgs = gemv_w4.SWAP_CANDIDATES if CUDA else (("t", 32, 16, 64, 4, 2, False),
-                                                 ("t", 32, 16, 64, 4, 2, True))
+    cfgs = gemv_w4.SWAP_CANDIDATES if CUDA else (("t", 32, 16, 64, 4, 2, False, False),
+                                                 ("t", 32, 16, 64, 4, 2, True, True))
     if CUDA and dtype == torch.float32:     # fp32 input tiles of 256 rows overflow shared memory
         cfgs = [c for c in cfgs if c[2] <= 128]
     cfgs = [c for c in cfgs if not c[6] or bits == 4]

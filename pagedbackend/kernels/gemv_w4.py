@@ -67,11 +67,15 @@ GEMM_CANDIDATES = ((128, 64, 8, 3, True, 128), (128, 64, 4, 4, True, 64),
 # feed the tensor cores from registers (wgmma's A) where the tiles above make them the second
 # operand, which goes through shared memory; the input tile, loaded as it is, is the one staged.
 # Programs that share a weight tile run side by side (the row tiles vary fastest), so its codes
-# come from HBM about once. SPLIT (4-bit codes) takes the nibbles as _nibbles_piece gives them.
-SWAP_CANDIDATES = (("t", 64, 128, 64, 4, 3, False), ("t", 128, 128, 64, 8, 3, False),
-                   ("t", 128, 256, 64, 8, 3, False), ("t", 64, 256, 64, 4, 3, False),
-                   ("t", 64, 128, 128, 4, 3, True), ("t", 128, 128, 128, 8, 3, True),
-                   ("t", 128, 256, 128, 8, 3, True), ("t", 128, 64, 128, 4, 4, True))
+# come from HBM about once. SPLIT (4-bit codes) takes the nibbles as _nibbles_piece gives them;
+# WS (the eighth element) asks triton to warp-specialize the main loop (loads in producer warps,
+# the conversion and the dots in the others), where the compiler can.
+SWAP_CANDIDATES = (
+    ("t", 64, 128, 64, 4, 3, False, False), ("t", 128, 128, 64, 8, 3, False, False),
+    ("t", 128, 256, 64, 8, 3, False, False), ("t", 64, 256, 64, 4, 3, False, False),
+    ("t", 64, 128, 128, 4, 3, True, False), ("t", 128, 128, 128, 8, 3, True, False),
+    ("t", 128, 256, 128, 8, 3, True, False), ("t", 128, 64, 128, 4, 4, True, False),
+    ("t", 128, 128, 64, 8, 3, False, True), ("t", 128, 128, 128, 8, 3, True, True))
 MAX_GEMM_ROWS = 16384
 
 
@@ -349,7 +353,8 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
 def _swap_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                       m_tiles, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_M: tl.constexpr, SUB_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                      SPLIT: tl.constexpr, WS: tl.constexpr, PRECISION: tl.constexpr,
+                      USE_PDL: tl.constexpr):
     """SWAP_CANDIDATES' tiles: y[m, n] for BLOCK_M rows and BLOCK_N outputs as (W x^T)^T."""
     pid = tl.program_id(0)
     pid_m = pid % m_tiles
@@ -362,7 +367,7 @@ def _swap_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_
     wt = y_ptr.dtype.element_ty
     pdl_enter(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, SUB_K):
+    for k0 in tl.range(0, K, SUB_K, warp_specialize=WS):
         kk = tl.multiple_of(k0, SUB_K)
         xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
         if SPLIT:
@@ -515,7 +520,7 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
 
 def _swap_gemm(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple, prologue: int):
     """packed_gemv with a SWAP_CANDIDATES tile (no prologue; SPLIT for 4-bit codes)."""
-    _, block_n, block_m, sub_k, warps, stages, split = config
+    _, block_n, block_m, sub_k, warps, stages, split, ws = config
     assert prologue == PLAIN, f"swap-AB tile {config} takes no prologue, not {prologue}"
     assert not split or pw.bits == 4, f"SPLIT tiles read 4-bit codes, not {pw.bits}-bit"
     assert x.stride(1) == 1 and pw.g_idx is None and x.shape[1] == pw.shape[1]
@@ -527,5 +532,5 @@ def _swap_gemm(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple, pr
         x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, m, n, k,
         x.stride(0), y.stride(0), m_tiles, GROUP=pw.group_size, BITS=pw.bits, BLOCK_N=block_n,
         BLOCK_M=block_m, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=bool(split),
-        PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **pdl_launch(x))
+        WS=bool(ws), PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y
