@@ -532,5 +532,6 @@ def _swap_gemm(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple, pr
         x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, m, n, k,
         x.stride(0), y.stride(0), m_tiles, GROUP=pw.group_size, BITS=pw.bits, BLOCK_N=block_n,
         BLOCK_M=block_m, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=bool(split),
-        WS=bool(ws), PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **pdl_launch(x))
+        WS=bool(ws), PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages,
+        **pdl_launch(x))
     return y
