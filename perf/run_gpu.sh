@@ -131,7 +131,9 @@ for s in $stages; do
     # W1 with AWQ, fp8 and int8 weights beside bf16 in one process (issues 23 and 27); the
     # engines' tuning takes most of it (330 s ran out at the third engine, H100 call 65)
     w1bytes) run w1bytes 480 python3 perf/w1_decode.py --ab awq,fp8w,int8 ;;
-    w2awq) run w2awq 480 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
+    # W2 128/128: bf16, AWQ, then AWQ with each layer's weight dequantized ahead on a second
+    # stream (layers/dequant_ahead.py), one process, ~8-9 min
+    w2awq) run w2awq 570 python3 perf/w2_fixed.py --shapes 128-128 --ab awq,ahead ;;
     # greedy output on AWQ / GPTQ (act order) checkpoints of the tiny models vs transformers on
     # their dequantized weights, in fp32 (the kernels' arithmetic: all 256 tokens should agree)
     correctnessawq) run correctnessawq 300 "$base_py" perf/gpu_correctness.py --dtypes float32 --quantization awq ;;
