@@ -119,7 +119,7 @@ for s in $stages; do
     # 512 and 8,192 rows against dequantize + cuBLAS and bf16 cuBLAS (W2 with AWQ, issue 23),
     # ~3.5 min
     w4wide) run w4widetests 150 python3 -m pytest -q tests/test_quant_kernels.py \
-              -k "split_nibble_gemm or gemm_tiles_rows or swap_ab"
+              -k "split_nibble_gemm or gemm_tiles_rows or swap_ab or dequantize_ahead"
             run w4wide 280 python3 perf/kernels_bench.py --only w4wide ;;
     w1quant) run w1quant 540 python3 perf/w1_decode.py --ab awq,gptq,int8 ;;
     # W1 bf16 then AWQ only (the tuner now also times the split-nibble tiles), ~2.5 min
