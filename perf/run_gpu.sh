@@ -9,11 +9,11 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (after calls 64-68 on an H100, perf/RESULTS.md): on an H200, "int8wide w1bytes"
-# (~8 min: the one-pass int8 dequantization's parity, then W1 with AWQ, fp8 and int8 beside
-# bf16: the goals 500 / 420 / 400 are H200 figures; int8's TTFT was 4.8x fp8's before it),
-# then "servefp8" (~4.5 min: bf16 then fp8, the busy-period lines now timing each step path)
-# and "w4wide" (~2.5 min).
+# Next calls (after call 69 on an H100, perf/RESULTS.md): "w4wide" (~4 min: the swap-AB
+# W4A16 tiles and the dequantization beside a cuBLAS matmul, the look-ahead's GPU test), then
+# "w2awq" (~9 min: W2 128/128 bf16, AWQ, AWQ with the look-ahead), then "servefp8" (~8 min:
+# bf16 then fp8, the busy-period lines timing each step path); on an H200, "w1bytes" (~8 min:
+# the W1 goals 500 / 420 / 400 are H200 figures).
 run() {  # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
