@@ -71,9 +71,10 @@ def test_tp2_equals_tp1(sources, tmp_path, arch, case):
         llm.engine.shutdown()
 
 
-def test_dequantize_ahead_keeps_greedy_tokens(sources, tmp_path, monkeypatch):
+@pytest.mark.parametrize("depth", [2, 3])
+def test_dequantize_ahead_keeps_greedy_tokens(sources, tmp_path, monkeypatch, depth):
     """layers/dequant_ahead.py: wide steps run each layer's matmul on a weight dequantized
-    ahead into one of two buffers (inline on the CPU). With it on for steps of 8+ rows the
+    ahead into one of `depth` buffers (inline on the CPU). With it on for steps of 8+ rows the
     greedy tokens are the plain path's; every step it served ran all the model's layers in
     order (no fall-back); a step narrower than MIN_ROWS and a call out of order run plainly."""
     import torch
@@ -84,9 +85,11 @@ def test_dequantize_ahead_keeps_greedy_tokens(sources, tmp_path, monkeypatch):
     llm = LLM(qdir, **ENGINE)
     model = llm.engine.runner.model
     monkeypatch.setattr(dequant_ahead, "MIN_ROWS", 8)
+    monkeypatch.setattr(dequant_ahead, "DEPTH", depth)
     assert dequant_ahead.attach(model, torch.float32) is None     # off by default, and CPU
     ahead = dequant_ahead.attach(model, torch.float32, force=True)
     weights = ahead.weights
+    assert len(ahead.buffers) == depth
     layers = model.model.layers
     assert weights[:4] == [layers[0].self_attn.qkv_proj.quant, layers[0].self_attn.o_proj.quant,
                            layers[0].mlp.gate_up_proj.quant, layers[0].mlp.down_proj.quant]

@@ -4,10 +4,12 @@ second stream while this one's matmul runs.
 At W2's 512-row decode steps an AWQ layer's matmul runs as dequantize + cuBLAS (the tuner's
 choice: the triton W4A16 GEMMs reach half of cuBLAS's rate there), and the dequantization
 alone is ~70% of the bf16 GEMM's time (H100 call 64): the whole of W2 AWQ's gap to bf16. Here
-the step's matmuls run cuBLAS on a weight dequantized beforehand into one of two 16-bit
-buffers, the dequantization of weight i + 1 queued on a side stream as soon as the matmul that
-last read its buffer (i - 1) is done, so it runs beside matmul i and the attention, norms and
-activation between them.
+the step's matmuls run cuBLAS on a weight dequantized beforehand into one of DEPTH 16-bit
+buffers, the dequantization of weight i + DEPTH - 1 queued on a side stream as soon as the
+matmul that last read its buffer (i - 1) is done, so it runs beside matmuls i .. i + DEPTH - 2
+and the attention, norms and activation between them. DEPTH 3: gate|up's dequantization (the
+largest, ~120 us on an H100) then runs beside q|k|v, the attention and o_proj (~90 us), where
+with two buffers it had only o_proj (~30 us) to hide behind.
 
 - Only steps of at least MIN_ROWS rows (below that the W4A16 tiles, which read 0.5 bytes a
   weight, beat any 16-bit matmul) and only on even groups (act order's row-parallel shards
@@ -15,7 +17,7 @@ activation between them.
 - The order is the model's module order, which is the order a forward calls the layers; a call
   out of that order ends the look-ahead for the step (its matmul and the rest run the plain
   way), so an architecture that calls them otherwise loses the overlap, not correctness.
-- Buffers: two of the largest layer's N x K in the activations' dtype (0.47 GB for
+- Buffers: DEPTH of the largest layer's N x K in the activations' dtype (0.70 GB for
   llama-3.1-8b's gate|up in bf16), allocated with the model, before the KV cache is sized.
 - Under CUDA-graph capture the side stream forks from the capture stream at the step's start
   and joins it at its end; every wait is on an event recorded in the same step.
@@ -34,6 +36,7 @@ from torch import nn
 
 ENABLED = os.environ.get("PAGEDBACKEND_DEQUANT_AHEAD", "0") == "1"
 MIN_ROWS = 256
+DEPTH = 3
 
 
 class DequantAhead:
@@ -43,41 +46,43 @@ class DequantAhead:
         self.weights = weights
         self.index = {id(w): i for i, w in enumerate(weights)}
         size = max(w.shape[0] * w.shape[1] for w in weights)
-        self.buffers = [torch.empty(size, dtype=dtype, device=device) for _ in range(2)]
+        self.depth = max(2, min(DEPTH, len(weights)))
+        self.buffers = [torch.empty(size, dtype=dtype, device=device) for _ in range(self.depth)]
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.side = torch.cuda.Stream(device)
-            self.ready = [torch.cuda.Event() for _ in range(2)]
-            self.free = [torch.cuda.Event() for _ in range(2)]
+            self.ready = [torch.cuda.Event() for _ in range(self.depth)]
+            self.free = [torch.cuda.Event() for _ in range(self.depth)]
         self.next: int | None = None        # the weight expected next; None: not active
-        self.freed = [False, False]          # buffer b's matmul recorded free[b] this step
+        self.freed = [False] * self.depth    # buffer b's matmul recorded free[b] this step
         self.served = 0                      # matmuls run on a buffer (tests, logs)
 
     def begin(self, rows: int) -> None:
-        """A step of `rows` tokens starts: dequantize its first weight (from here on the side
-        stream is ordered after everything queued before the step)."""
+        """A step of `rows` tokens starts: dequantize its first DEPTH - 1 weights (from here on
+        the side stream is ordered after everything queued before the step)."""
         self.next = None
         if rows < MIN_ROWS:
             return
-        self.next, self.freed = 0, [False, False]
+        self.next, self.freed = 0, [False] * self.depth
         if self.cuda:
             self.side.wait_stream(torch.cuda.current_stream())
-        self._launch(0)
+        for i in range(self.depth - 1):
+            self._launch(i)
 
     def linear(self, pw, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """x @ W.T (+ bias) on pw's dequantized weight when it is the one expected next (the
-        next one's dequantization queued behind it), else None (the look-ahead ends)."""
+        """x @ W.T (+ bias) on pw's dequantized weight when it is the one expected next (weight
+        i + DEPTH - 1's dequantization queued behind it), else None (the look-ahead ends)."""
         i = self.index.get(id(pw))
         if self.next is None or i != self.next:
             self.end()
             return None
-        b = i % 2
+        b = i % self.depth
         main = torch.cuda.current_stream() if self.cuda else None
         if self.cuda:
             main.wait_event(self.ready[b])
         self.next = i + 1 if i + 1 < len(self.weights) else None
-        if self.next is not None:
-            self._launch(i + 1)
+        if i + self.depth - 1 < len(self.weights):
+            self._launch(i + self.depth - 1)
         y = F.linear(x, self._view(i), bias)
         if self.cuda:
             self.free[b].record(main)
@@ -95,10 +100,10 @@ class DequantAhead:
 
     def _view(self, i: int) -> torch.Tensor:
         n, k = self.weights[i].shape
-        return self.buffers[i % 2][:n * k].view(n, k)
+        return self.buffers[i % self.depth][:n * k].view(n, k)
 
     def _launch(self, i: int) -> None:
-        w, out, b = self.weights[i], self._view(i), i % 2
+        w, out, b = self.weights[i], self._view(i), i % self.depth
         if not self.cuda:
             out.copy_(w.dequantize(out.dtype))
             return
