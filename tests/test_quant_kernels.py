@@ -314,7 +314,7 @@ def test_dequantize_ahead_on_a_second_stream_eager_and_in_a_graph():
             super().__init__()
             self.parts = nn.ModuleList(nn.Module() for _ in range(4))
             for i, part in enumerate(self.parts):
-                part.quant = packed_weight(*((4096, 1024) if i % 2 else (1024, 4096)), 4, 128)
+                part.quant = packed_weight(*((1024, 4096) if i % 2 else (4096, 1024)), 4, 128)
 
         def forward(self, x):
             self.dequant_ahead.begin(x.shape[0])
