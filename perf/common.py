@@ -90,8 +90,8 @@ def result_model(model: str, label: str) -> tuple[str, str]:
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
            "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, blaslt, ropekernel, "
            "oldtiles, eagerprefill, decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, "
-           "fp8oldtiles, awq, gptq, int8, ahead, pagedkv, nopdl, cublas; default runs the "
-           "default again (perf/common.run_variants)")
+           "fp8oldtiles, awq, gptq, int8, pagedkv, nopdl, cublas; default runs the default "
+           "again (perf/common.run_variants)")
 
 
 def run_variants(names: str, make_llm, body) -> None:
@@ -115,8 +115,7 @@ def run_variants(names: str, make_llm, body) -> None:
     its choices are forgotten so the next engine tunes again, as after a later "default"),
     awq / gptq / int8 (make_llm(quantization=...): dummy 4-bit AWQ / GPTQ codes generated on
     the device, or int8 weights; one weight kind at a time, a later one replaces an earlier one
-    or fp8w), ahead (AWQ / GPTQ engines built after it dequantize each layer's weight ahead on
-    wide steps: layers/dequant_ahead.ENABLED),
+    or fp8w),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". "default" undoes every switch and runs the
     default again (label "default-again", then "default-again-2", ...): an A-B-A order shows
@@ -139,11 +138,11 @@ def run_variants(names: str, make_llm, body) -> None:
         if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "blaslt", "ropekernel",
                               "eagerprefill", "oldtiles", "decode3", "gridorder", "fp8kv",
                               "fp8n64", "weights", "fp8nofuse", "fp8oldtiles", "pagedkv",
-                              "ahead", "default"):
+                              "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, "
                              "mbt<N>, blaslt, ropekernel, eagerprefill, oldtiles, "
                              "decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, fp8oldtiles, "
-                             "awq, gptq, int8, ahead, pagedkv, nopdl, cublas "
+                             "awq, gptq, int8, pagedkv, nopdl, cublas "
                              "or default")
     steps, active, again = [("default", None)], [], 0
     for v in variants:
@@ -159,8 +158,6 @@ def run_variants(names: str, make_llm, body) -> None:
         from pagedbackend.worker import cuda_graph
         if "fp8nofuse" in variants:     # newer than perf/snapshot.sh's older engines
             from pagedbackend.layers import fp8_inputs
-        if "ahead" in variants:
-            from pagedbackend.layers import dequant_ahead
         switches = ((common, "PDL_ENABLED"), (gemv_tuning, "ENABLED"),
                     (decode, "ROPE_IN_DECODE"), (decode, "LONGEST_FIRST"),
                     (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
@@ -168,8 +165,7 @@ def run_variants(names: str, make_llm, body) -> None:
                     (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"),
                     (prefill, "CONTIG_KV")) \
             + (((fp8_inputs, "FUSED_QUANT"),) if "fp8nofuse" in variants else ()) \
-            + (((gemv_tuning, "FP8_WIDEN_CANDIDATES"),) if "fp8oldtiles" in variants else ()) \
-            + (((dequant_ahead, "ENABLED"),) if "ahead" in variants else ())
+            + (((gemv_tuning, "FP8_WIDEN_CANDIDATES"),) if "fp8oldtiles" in variants else ())
         initial = [getattr(mod, name) for mod, name in switches]
     blas = torch.backends.cuda.preferred_blas_library()
     overrides = {}
@@ -207,8 +203,6 @@ def run_variants(names: str, make_llm, body) -> None:
             overrides["quantization"] = WEIGHT_VARIANTS[switch]
         elif switch == "fp8nofuse":
             fp8_inputs.FUSED_QUANT = False
-        elif switch == "ahead":
-            dequant_ahead.ENABLED = True
         elif switch == "fp8oldtiles":
             gemv_tuning.FP8_WIDEN_CANDIDATES = ()
             gemv_tuning._CHOICE.clear()

@@ -348,17 +348,14 @@ def bench_w4():
 
 def bench_w4_wide():
     """AWQ / GPTQ at W2's decode (512 rows) and prefill (8,192) steps, llama-3.1-8b's four
-    matmuls, 4-bit codes in groups of 128: the best tiled W4A16 GEMM of the byte form, of the
+    matmuls, 4-bit codes in groups of 128: the best tiled W4A16 GEMM of the byte form and of the
     split-nibble form (gemv_w4.GEMM_CANDIDATES) and of the swap-AB tiles (SWAP_CANDIDATES), each
     checked against the fp32 product, against dequantize + cuBLAS (the tuner's other choice),
-    the dequantization alone, bf16 cuBLAS on a 16-bit weight of the same shape, and that cuBLAS
-    matmul with a dequantization of the shape on a second stream beside it (what dequantizing
-    the next layer behind this one's matmul would add). TFLOP/s: 2 x rows x N x K over the
-    time."""
+    the dequantization alone and bf16 cuBLAS on a 16-bit weight of the same shape. TFLOP/s:
+    2 x rows x N x K over the time."""
     from pagedbackend.kernels import gemv_w4
     from pagedbackend.kernels.gemv_tuning import _time_us
     lin = torch.nn.functional.linear
-    side = torch.cuda.Stream()
     table = []
     for name, n, k in LLAMA_MATMULS:
         pw = random_packed_weight(n, k)
@@ -380,33 +377,14 @@ def bench_w4_wide():
             deq = _time_us(lambda: pw.dequantize(DT))        # noqa: B023
             deq_mm = _time_us(lambda: lin(x, pw.dequantize(DT)))     # noqa: B023
             bf16 = _time_us(lambda: lin(x, w16))     # noqa: B023
-            both = _time_us(lambda: _beside(lambda: lin(x, w16),          # noqa: B023
-                                            lambda: pw.dequantize(DT), side))   # noqa: B023
-            table.append((f"{name} N={n} K={k}", rows, byte, split, swap, deq, deq_mm, bf16,
-                          both))
+            table.append((f"{name} N={n} K={k}", rows, byte, split, swap, deq, deq_mm, bf16))
     print("\n| shape (group 128) | rows | best byte GEMM us | best split-nibble GEMM us | "
           "best swap-AB GEMM us | dequantize us | dequantize + cuBLAS us | bf16 cuBLAS us | "
-          "best / bf16 | bf16 cuBLAS beside a dequantize us |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for shape, rows, (a_us, a_cfg), (b_us, b_cfg), (c_us, c_cfg), deq, deq_mm, bf16, both \
-            in table:
+          "best / bf16 |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for shape, rows, (a_us, a_cfg), (b_us, b_cfg), (c_us, c_cfg), deq, deq_mm, bf16 in table:
         best = min(a_us, b_us, c_us, deq_mm)
         print(f"| {shape} | {rows} | {a_us:.1f} {a_cfg} | {b_us:.1f} {b_cfg} | "
-              f"{c_us:.1f} {c_cfg} | {deq:.1f} | {deq_mm:.1f} | {bf16:.1f} | {bf16 / best:.2f}x "
-              f"| {both:.1f} |")
-
-
-def _beside(main_fn, side_fn, side: torch.cuda.Stream):
-    """main_fn on the current stream while side_fn runs on `side` (forked after the work
-    queued so far, joined before return): whether a layer's dequantization could hide behind
-    the matmul before it."""
-    main = torch.cuda.current_stream()
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        side_fn()
-    out = main_fn()
-    main.wait_stream(side)
-    return out
+              f"{c_us:.1f} {c_cfg} | {deq:.1f} | {deq_mm:.1f} | {bf16:.1f} | {bf16 / best:.2f}x |")
 
 
 def bench_bytes():

@@ -119,7 +119,7 @@ for s in $stages; do
     # 512 and 8,192 rows against dequantize + cuBLAS and bf16 cuBLAS (W2 with AWQ, issue 23),
     # ~3.5 min
     w4wide) run w4widetests 150 python3 -m pytest -q tests/test_quant_kernels.py \
-              -k "split_nibble_gemm or gemm_tiles_rows or swap_ab or dequantize_ahead"
+              -k "split_nibble_gemm or gemm_tiles_rows or swap_ab"
             run w4wide 280 python3 perf/kernels_bench.py --only w4wide ;;
     w1quant) run w1quant 540 python3 perf/w1_decode.py --ab awq,gptq,int8 ;;
     # W1 bf16 then AWQ only (the tuner now also times the split-nibble tiles), ~2.5 min
@@ -131,9 +131,7 @@ for s in $stages; do
     # W1 with AWQ, fp8 and int8 weights beside bf16 in one process (issues 23 and 27); the
     # engines' tuning takes most of it (330 s ran out at the third engine, H100 call 65)
     w1bytes) run w1bytes 480 python3 perf/w1_decode.py --ab awq,fp8w,int8 ;;
-    # W2 128/128: bf16, AWQ, then AWQ with each layer's weight dequantized ahead on a second
-    # stream (layers/dequant_ahead.py), one process, ~8-9 min
-    w2awq) run w2awq 570 python3 perf/w2_fixed.py --shapes 128-128 --ab awq,ahead ;;
+    w2awq) run w2awq 480 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
     # greedy output on AWQ / GPTQ (act order) checkpoints of the tiny models vs transformers on
     # their dequantized weights, in fp32 (the kernels' arithmetic: all 256 tokens should agree)
     correctnessawq) run correctnessawq 300 "$base_py" perf/gpu_correctness.py --dtypes float32 --quantization awq ;;

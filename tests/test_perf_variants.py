@@ -164,21 +164,6 @@ def test_fp8nofuse_turns_the_fused_input_quantization_off_until_default(perf_mod
                               ("fp8w-fp8nofuse", fp8, False), ("default-again", {}, True)]
 
 
-def test_ahead_turns_the_dequantization_look_ahead_on_until_default(perf_module):
-    from pagedbackend.layers import dequant_ahead
-    perf = perf_module("common")
-    start = dequant_ahead.ENABLED
-    seen = []
-    try:
-        perf.run_variants("awq,ahead,default", FakeLLM, lambda llm, label: seen.append(
-            (label, llm.overrides, dequant_ahead.ENABLED)))
-    finally:
-        dequant_ahead.ENABLED = start
-    awq = {"quantization": "awq"}
-    assert not start and seen == [("default", {}, False), ("awq", awq, False),
-                                  ("awq-ahead", awq, True), ("default-again", {}, False)]
-
-
 def test_fp8oldtiles_tunes_again_without_the_widening_tiles(perf_module):
     from pagedbackend.kernels import gemv_tuning
     perf = perf_module("common")

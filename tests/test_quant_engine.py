@@ -71,40 +71,6 @@ def test_tp2_equals_tp1(sources, tmp_path, arch, case):
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("depth", [2, 3])
-def test_dequantize_ahead_keeps_greedy_tokens(sources, tmp_path, monkeypatch, depth):
-    """layers/dequant_ahead.py: wide steps run each layer's matmul on a weight dequantized
-    ahead into one of `depth` buffers (inline on the CPU). With it on for steps of 8+ rows the
-    greedy tokens are the plain path's; every step it served ran all the model's layers in
-    order (no fall-back); a step narrower than MIN_ROWS and a call out of order run plainly."""
-    import torch
-
-    from pagedbackend.layers import dequant_ahead
-    qdir = quantize_dir(sources("llama"), tmp_path / "awq", **{"group_size": 32, **CASES["awq"]})
-    want = engine_tokens(LLM(qdir, **ENGINE))
-    llm = LLM(qdir, **ENGINE)
-    model = llm.engine.runner.model
-    monkeypatch.setattr(dequant_ahead, "MIN_ROWS", 8)
-    monkeypatch.setattr(dequant_ahead, "DEPTH", depth)
-    assert dequant_ahead.attach(model, torch.float32) is None     # off by default, and CPU
-    ahead = dequant_ahead.attach(model, torch.float32, force=True)
-    weights = ahead.weights
-    assert len(ahead.buffers) == depth
-    layers = model.model.layers
-    assert weights[:4] == [layers[0].self_attn.qkv_proj.quant, layers[0].self_attn.o_proj.quant,
-                           layers[0].mlp.gate_up_proj.quant, layers[0].mlp.down_proj.quant]
-    assert engine_tokens(llm) == want
-    assert ahead.served > 0 and ahead.served % len(weights) == 0 and ahead.next is None
-    x = torch.randn(8, weights[1].shape[1])
-    ahead.begin(7)
-    assert ahead.next is None
-    ahead.begin(8)
-    assert ahead.next == 0 and ahead.linear(weights[1], x, None) is None and ahead.next is None
-    served = ahead.served
-    assert torch.equal(weights[1](x, None), x @ weights[1].dequantize(torch.float32).t())
-    assert ahead.served == served
-
-
 @pytest.fixture(scope="module")
 def smollm2_gptq(smollm2_dir, tmp_path_factory) -> str:
     return quantize_dir(smollm2_dir, tmp_path_factory.mktemp("smol") / "gptq", "gptq",

@@ -423,15 +423,10 @@ def _block_k(want: int, group: int) -> int:
     return b
 
 
-def dequantize_packed(pw, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """PackedWeight (even groups) -> W [N, K] in dtype: (q - z) * s, rounded once (into out,
-    a contiguous [N, K] tensor of that dtype, when given)."""
+def dequantize_packed(pw, dtype: torch.dtype) -> torch.Tensor:
+    """PackedWeight (even groups) -> W [N, K] in dtype: (q - z) * s, rounded once."""
     n, k = pw.shape
-    if out is None:
-        w = torch.empty((n, k), dtype=dtype, device=pw.qweight.device)
-    else:
-        assert out.shape == (n, k) and out.dtype == dtype and out.is_contiguous()
-        w = out
+    w = torch.empty((n, k), dtype=dtype, device=pw.qweight.device)
     block_n, block_k = 32, _block_k(128, pw.group_size)
     _dequant_kernel[(triton.cdiv(n, block_n), k // block_k)](
         pw.qweight, pw.scales, pw.zeros, w, n, k, GROUP=pw.group_size, BITS=pw.bits,

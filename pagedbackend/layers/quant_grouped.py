@@ -17,7 +17,7 @@ its channels' groups are uneven in count (`g_idx` kept): it runs dequantize + ma
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -42,8 +42,6 @@ class PackedWeight:
     g_idx: Optional[torch.Tensor]      # int32 [K] when groups are uneven, else None (k // size)
     perm: Optional[torch.Tensor]       # long [K]: input channel order (act order), or None
     cpu_weight: Optional[torch.Tensor] = None    # the CPU's dequantized copy (see __call__)
-    # the model's dequant_ahead.DequantAhead, when wide steps dequantize a layer ahead
-    ahead: Any = field(default=None, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -77,13 +75,10 @@ class PackedWeight:
         x2 = x.reshape(-1, k)
         if self.perm is not None:
             x2 = x2[:, self.perm]
-        y = None
-        if self.ahead is not None and self.ahead.next is not None:     # a wide step's look-ahead
-            y = self.ahead.linear(self, x2, bias)
-        if y is None and x.is_cuda:
+        if x.is_cuda:
             from pagedbackend.kernels.gemv_w4_tuning import packed_linear
             y = packed_linear(x2, self, bias)
-        elif y is None:
+        else:
             # the CPU path serves tests and development: the dequantized weight is kept after
             # the first call (speed over memory there; the GPU never holds it)
             if self.cpu_weight is None or self.cpu_weight.dtype != x.dtype:

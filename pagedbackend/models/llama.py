@@ -211,14 +211,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        ahead = getattr(self, "dequant_ahead", None)    # layers/dequant_ahead.py
-        if ahead is None:
-            return self.model(input_ids, positions, meta, kv_caches)
-        ahead.begin(input_ids.shape[0])
-        try:
-            return self.model(input_ids, positions, meta, kv_caches)
-        finally:
-            ahead.end()
+        return self.model(input_ids, positions, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

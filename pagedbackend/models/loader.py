@@ -13,7 +13,6 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from pagedbackend.layers import dequant_ahead
 from pagedbackend.layers.norm import RMSNorm
 from pagedbackend.layers.quant_formats import METHODS, GroupQuantSpec
 from pagedbackend.layers.quant_grouped import (fill_dummy_grouped, finalize_grouped,
@@ -132,10 +131,6 @@ def _load_grouped(model: nn.Module, model_dir: str, fmt: str, spec: GroupQuantSp
     layers = finalize_grouped(model)
     logger.info("quantization %s: %d linear layers in %d bits, groups of %d%s", spec.method,
                 layers, spec.bits, spec.group_size, " (act order)" if spec.desc_act else "")
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    if dequant_ahead.attach(model, dtype) is not None:
-        logger.info("quantization %s: steps of %d rows or more dequantize each layer's weight "
-                    "ahead, on a second stream", spec.method, dequant_ahead.MIN_ROWS)
 
 
 def _load_checkpoint(model: nn.Module, model_dir: str, fmt: str) -> None:
