@@ -348,11 +348,10 @@ def bench_w4():
 
 def bench_w4_wide():
     """AWQ / GPTQ at W2's decode (512 rows) and prefill (8,192) steps, llama-3.1-8b's four
-    matmuls, 4-bit codes in groups of 128: the best tiled W4A16 GEMM of the byte form and of the
-    split-nibble form (gemv_w4.GEMM_CANDIDATES) and of the swap-AB tiles (SWAP_CANDIDATES), each
-    checked against the fp32 product, against dequantize + cuBLAS (the tuner's other choice),
-    the dequantization alone and bf16 cuBLAS on a 16-bit weight of the same shape. TFLOP/s:
-    2 x rows x N x K over the time."""
+    matmuls, 4-bit codes in groups of 128: the best swap-AB W4A16 GEMM tile
+    (gemv_w4.SWAP_CANDIDATES, each checked against the fp32 product) against dequantize +
+    cuBLAS (the tuner's other choice), the dequantization alone and bf16 cuBLAS on a 16-bit
+    weight of the same shape. TFLOP/s: 2 x rows x N x K over the time."""
     from pagedbackend.kernels import gemv_w4
     from pagedbackend.kernels.gemv_tuning import _time_us
     lin = torch.nn.functional.linear
@@ -368,23 +367,17 @@ def bench_w4_wide():
             def run(cfg, x=x, pw=pw):
                 return gemv_w4.packed_gemv(x, pw, None, cfg)
 
-            label = f"w4 {name} {rows} rows"
-            byte = _best_tile([c for c in gemv_w4.GEMM_CANDIDATES if len(c) < 7], run, ref,
-                              label, tf)
-            split = _best_tile([c for c in gemv_w4.GEMM_CANDIDATES if len(c) > 6], run, ref,
-                               label, tf)
-            swap = _best_tile(gemv_w4.SWAP_CANDIDATES, run, ref, label, tf)
+            swap = _best_tile(gemv_w4.SWAP_CANDIDATES, run, ref, f"w4 {name} {rows} rows", tf)
             deq = _time_us(lambda: pw.dequantize(DT))        # noqa: B023
             deq_mm = _time_us(lambda: lin(x, pw.dequantize(DT)))     # noqa: B023
             bf16 = _time_us(lambda: lin(x, w16))     # noqa: B023
-            table.append((f"{name} N={n} K={k}", rows, byte, split, swap, deq, deq_mm, bf16))
-    print("\n| shape (group 128) | rows | best byte GEMM us | best split-nibble GEMM us | "
-          "best swap-AB GEMM us | dequantize us | dequantize + cuBLAS us | bf16 cuBLAS us | "
-          "best / bf16 |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for shape, rows, (a_us, a_cfg), (b_us, b_cfg), (c_us, c_cfg), deq, deq_mm, bf16 in table:
-        best = min(a_us, b_us, c_us, deq_mm)
-        print(f"| {shape} | {rows} | {a_us:.1f} {a_cfg} | {b_us:.1f} {b_cfg} | "
-              f"{c_us:.1f} {c_cfg} | {deq:.1f} | {deq_mm:.1f} | {bf16:.1f} | {bf16 / best:.2f}x |")
+            table.append((f"{name} N={n} K={k}", rows, swap, deq, deq_mm, bf16))
+    print("\n| shape (group 128) | rows | best swap-AB GEMM us | dequantize us | "
+          "dequantize + cuBLAS us | bf16 cuBLAS us | best / bf16 |\n"
+          "|---|---:|---:|---:|---:|---:|---:|")
+    for shape, rows, (s_us, s_cfg), deq, deq_mm, bf16 in table:
+        print(f"| {shape} | {rows} | {s_us:.1f} {s_cfg} | {deq:.1f} | {deq_mm:.1f} | "
+              f"{bf16:.1f} | {bf16 / min(s_us, deq_mm):.2f}x |")
 
 
 def bench_bytes():

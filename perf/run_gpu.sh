@@ -115,14 +115,12 @@ for s in $stages; do
     # the W4A16 tuner's one-row choices (prologue inside or in its own kernel) against
     # dequantize + cuBLAS and bf16 cuBLAS at llama-3.1-8b's four matmuls, ~40 s
     w4bench) run w4bench 240 python3 perf/kernels_bench.py --only w4 ;;
-    # the tiled W4A16 GEMMs' GPU parity (byte, split-nibble and swap-AB forms), then each at
-    # 512 and 8,192 rows against dequantize + cuBLAS and bf16 cuBLAS (W2 with AWQ, issue 23),
-    # ~3.5 min
-    w4wide) run w4widetests 150 python3 -m pytest -q tests/test_quant_kernels.py \
-              -k "split_nibble_gemm or gemm_tiles_rows or swap_ab"
+    # the swap-AB W4A16 GEMM tiles' GPU parity, then each at 512 and 8,192 rows against
+    # dequantize + cuBLAS and bf16 cuBLAS (W2 with AWQ, issue 23), ~1 min (H200 call 70)
+    w4wide) run w4widetests 150 python3 -m pytest -q tests/test_quant_kernels.py -k swap_ab
             run w4wide 280 python3 perf/kernels_bench.py --only w4wide ;;
     w1quant) run w1quant 540 python3 perf/w1_decode.py --ab awq,gptq,int8 ;;
-    # W1 bf16 then AWQ only (the tuner now also times the split-nibble tiles), ~2.5 min
+    # W1 bf16 then AWQ only, ~2.5 min
     w1awq) run w1awq 300 python3 perf/w1_decode.py --ab awq ;;
     # the fp16-pair one-row tiles for e4m3 / int8 weights: GPU parity (their PTX), ~1 min
     bytehalf) run bytehalf 90 python3 -m pytest -q tests/test_fp8_kernels.py -k "byte_half" ;;

@@ -226,49 +226,6 @@ def test_skinny_linear_reads_int8_weights(cfg):
         assert y.dtype == torch.bfloat16 and rel_err(y, x.float() @ w.t()) < 1e-2, m
 
 
-@pytest.mark.parametrize("bits,group", [(4, 64), (8, 32)])
-def test_packed_gemm_tiles_rows(bits, group):
-    """The same kernel over row tiles (GEMM_CANDIDATES' form) for steps wider than 8 rows,
-    rows not a multiple of the tile."""
-    n, k = (4096, 4096) if CUDA else (40, 128)
-    cfgs = gemv_w4.GEMM_CANDIDATES if CUDA else ((32, 64, 4, 2, True, 16),
-                                                 (32, 64, 4, 2, True, 16, True))
-    cfgs = [c for c in cfgs if len(c) < 7 or bits == 4]
-    pw = packed_weight(n, k, bits, group)
-    w = torch_dequantize(pw)
-    x = torch.randn(300 if CUDA else 37, k, device=DEV).bfloat16()
-    b = torch.randn(n, device=DEV).bfloat16()
-    for cfg in cfgs:
-        y = gemv_w4.packed_gemv(x, pw, b, cfg)
-        assert rel_err(y, x.float() @ w.t() + b.float()) < 1e-2, cfg
-
-
-@pytest.mark.parametrize("group,dtype", [(32, torch.float32), (128, torch.bfloat16)])
-def test_split_nibble_gemm_tiles(group, dtype):
-    """The GEMM tiles that take the low and high nibbles as two dots against the input's even
-    and odd columns: the product of the dequantized weight at a group of 32 (16-column dots)
-    and 128; offered for 4-bit codes only, and they take no prologue."""
-    from pagedbackend.kernels.gemv import NORM
-    tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
-    n, k = (4096, 4096) if CUDA else (40, 256)
-    cfgs = [c for c in gemv_w4.GEMM_CANDIDATES if len(c) > 6] if CUDA \
-        else [(32, 64, 4, 2, True, 16, True)]
-    if CUDA and dtype == torch.float32:     # fp32 input tiles of 128-256 rows overflow shared
-        cfgs = [c for c in cfgs if c[5] <= 64]      # memory (H100, call 64): the tuner skips them
-    pw = packed_weight(n, k, 4, group)
-    w = torch_dequantize(pw)
-    x = torch.randn(300 if CUDA else 37, k, device=DEV).to(dtype)
-    for cfg in cfgs:
-        y = gemv_w4.packed_gemv(x, pw, None, cfg)
-        assert y.dtype == dtype and rel_err(y, x.float() @ w.t()) < \
-            (1e-5 if dtype == torch.float32 else 1e-2), cfg
-    split_gemm = {c for c in gemv_w4.GEMM_CANDIDATES if len(c) > 6}
-    assert split_gemm and split_gemm <= set(tuning._tiles(16, pw))
-    assert not split_gemm & set(tuning._tiles(16, packed_weight(40, 128, 8, 64)))
-    with pytest.raises(AssertionError, match="no prologue"):
-        gemv_w4.packed_gemv(x, pw, None, cfgs[0], NORM, None, torch.ones(k, device=DEV), 1e-5)
-
-
 @pytest.mark.parametrize("bits,group,dtype", [(4, 32, torch.float32), (4, 128, torch.bfloat16),
                                                (8, 64, torch.bfloat16)])
 def test_swap_ab_gemm_tiles(bits, group, dtype):
@@ -278,8 +235,8 @@ def test_swap_ab_gemm_tiles(bits, group, dtype):
     from pagedbackend.kernels.gemv import NORM
     tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
     n, k = (4096, 4096) if CUDA else (40, 256)
-    cfgs = gemv_w4.SWAP_CANDIDATES if CUDA else (("t", 32, 16, 64, 4, 2, False, False),
-                                                 ("t", 32, 16, 64, 4, 2, True, True))
+    cfgs = gemv_w4.SWAP_CANDIDATES if CUDA else (("t", 32, 16, 64, 4, 2, False),
+                                                 ("t", 32, 16, 64, 4, 2, True))
     if CUDA and dtype == torch.float32:     # fp32 input tiles of 256 rows overflow shared memory
         cfgs = [c for c in cfgs if c[2] <= 128]
     cfgs = [c for c in cfgs if not c[6] or bits == 4]
@@ -295,8 +252,24 @@ def test_swap_ab_gemm_tiles(bits, group, dtype):
     offered = set(tuning._tiles(16, pw))
     assert all((c in offered) == (not c[6] or bits == 4) for c in gemv_w4.SWAP_CANDIDATES)
     assert not set(gemv_w4.SWAP_CANDIDATES) & set(tuning._tiles(8, pw))     # decode steps
+    assert set(tuning._tiles(16, pw)) <= set(gemv_w4.SWAP_CANDIDATES)
     with pytest.raises(AssertionError, match="no prologue"):
         gemv_w4.packed_gemv(x, pw, None, cfgs[0], NORM, None, torch.ones(k, device=DEV), 1e-5)
+
+
+def test_wide_steps_run_dequantize_and_matmul_untimed(monkeypatch):
+    """Above MAX_TUNED_ROWS packed_linear multiplies by the dequantized weight without timing
+    a tile (a rows bucket first seen mid-serving would stall its step for the tuning); at
+    MAX_TUNED_ROWS rows it still asks the tuner."""
+    tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
+    calls = []
+    monkeypatch.setattr(tuning, "_config", lambda x, *a: calls.append(x.shape[0]))
+    pw = packed_weight(24, 64, 4, 32)
+    w = torch_dequantize(pw)
+    x = torch.randn(tuning.MAX_TUNED_ROWS + 1, 64, device=DEV)
+    assert rel_err(tuning.packed_linear(x, pw, None), x @ w.t()) < 1e-6 and calls == []
+    assert rel_err(tuning.packed_linear(x[:-1], pw, None), x[:-1] @ w.t()) < 1e-6
+    assert calls == [tuning.MAX_TUNED_ROWS]
 
 
 @pytest.mark.parametrize("cfg", [gemv_w4.CANDIDATES[1], gemv_w4.DOT_CANDIDATES[1], SPLIT],

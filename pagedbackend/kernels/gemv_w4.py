@@ -13,11 +13,12 @@ whether the prologue below runs inside it, are timed on the device per shape at 
 the prologue of the op before it (RMSNorm, residual add + RMSNorm, SiLU * up), is launched with
 programmatic dependent launch, and its first programs prefetch their codes into L2 before
 waiting.
-Wider steps run either the same kernel as a tiled GEMM (row tiles of 64-128, the dequantized
-weight tile fed to the tensor cores) or dequantize the weight into a 16-bit buffer (one kernel,
-each byte read once) and run cuBLAS on it, whichever was timed faster for the rows bucket: at
-hundreds of rows the matmul is compute-bound and the dequantization's extra traffic (2.5 bytes
-per weight) is a small part of it.
+Wider steps run either a tiled GEMM (SWAP_CANDIDATES: the dequantized weight tile the tensor
+cores' first operand) or dequantize the weight into a 16-bit buffer (one kernel, each byte read
+once) and run cuBLAS on it, whichever was timed faster for the rows bucket; above
+gemv_w4_tuning.MAX_TUNED_ROWS the latter, untimed: there the matmul is compute-bound, cuBLAS
+runs it at ~1.7x the tiles' rate and the dequantization's extra traffic (2.5 bytes a weight)
+is a small part of it.
 """
 from __future__ import annotations
 
@@ -52,31 +53,20 @@ SPLIT_CANDIDATES = ((16, 1024, 4, 3, False, True), (32, 512, 4, 4, False, True),
 KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
                      (128, 256, 4, 3, False, 2, 4), (64, 256, 4, 3, False, 2, 8),
                      (32, 512, 4, 4, False, 2, 4), (32, 512, 4, 4, False, 2, 2),
-                     (64, 256, 2, 3, False, 2, 4), (16, 1024, 4, 3, False, True, 2),
+                     (16, 1024, 4, 3, False, True, 2),
                      (32, 512, 4, 4, False, True, 4), (16, 512, 4, 4, False, True, 4))
-# wider steps: the same kernel as a tiled GEMM (a grid over row tiles of BLOCK_M), timed per
-# rows bucket against dequantize + cuBLAS; a seventh element True takes 4-bit codes as the
-# SPLIT tiles do (two dots a piece, on the input's even and odd columns)
-GEMM_CANDIDATES = ((128, 64, 8, 3, True, 128), (128, 64, 4, 4, True, 64),
-                   (64, 128, 4, 4, True, 64), (128, 128, 8, 3, True, 64),
-                   (128, 64, 8, 3, True, 128, True), (128, 128, 8, 3, True, 128, True),
-                   (128, 64, 4, 4, True, 64, True), (256, 64, 8, 3, True, 128, True),
-                   (128, 64, 8, 4, True, 256, True))
-# swap-AB GEMM tiles ("t", BLOCK_N, BLOCK_M, SUB_K, num_warps, num_stages, SPLIT): the weight
-# tile is the dot's first operand, acc[BLOCK_N, BLOCK_M] = W x^T, so the dequantized codes can
-# feed the tensor cores from registers (wgmma's A) where the tiles above make them the second
-# operand, which goes through shared memory; the input tile, loaded as it is, is the one staged.
-# Programs that share a weight tile run side by side (the row tiles vary fastest), so its codes
-# come from HBM about once. SPLIT (4-bit codes) takes the nibbles as _nibbles_piece gives them;
-# WS (the eighth element) asks triton to warp-specialize the main loop (loads in producer warps,
-# the conversion and the dots in the others), where the compiler can.
-SWAP_CANDIDATES = (
-    ("t", 64, 128, 64, 4, 3, False, False), ("t", 128, 128, 64, 8, 3, False, False),
-    ("t", 128, 256, 64, 8, 3, False, False), ("t", 64, 256, 64, 4, 3, False, False),
-    ("t", 64, 128, 128, 4, 3, True, False), ("t", 128, 128, 128, 8, 3, True, False),
-    ("t", 128, 256, 128, 8, 3, True, False), ("t", 128, 64, 128, 4, 4, True, False),
-    ("t", 128, 128, 64, 8, 3, False, True), ("t", 128, 128, 128, 8, 3, True, True))
-MAX_GEMM_ROWS = 16384
+# wider steps: swap-AB GEMM tiles ("t", BLOCK_N, BLOCK_M, SUB_K, num_warps, num_stages, SPLIT),
+# timed per rows bucket against dequantize + cuBLAS. The weight tile is the dot's first operand,
+# acc[BLOCK_N, BLOCK_M] = W x^T, so the dequantized codes feed the tensor cores from registers
+# (wgmma's A) and the input tile, loaded as it is, is the one staged in shared memory. Programs
+# that share a weight tile run side by side (the row tiles vary fastest), so its codes come from
+# HBM about once. SPLIT (4-bit codes) takes the nibbles as _nibbles_piece gives them. On the
+# H200 (call 70) they ran 1.1-1.3x the tiles that made the weight the second operand (removed)
+# at every llama-3.1-8b shape at 512 and 8,192 rows, and triton's warp-specialized loop gave
+# them nothing (removed); each tile below was the fastest somewhere (calls 70, 73).
+SWAP_CANDIDATES = (("t", 64, 128, 64, 4, 3, False), ("t", 128, 256, 64, 8, 3, False),
+                   ("t", 64, 256, 64, 4, 3, False), ("t", 128, 128, 128, 8, 3, True),
+                   ("t", 64, 128, 128, 4, 3, True), ("t", 128, 64, 128, 4, 4, True))
 
 
 @triton.jit
@@ -217,7 +207,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
     k_len = K // KSPLIT
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m = tl.arange(0, BLOCK_M)       # every row of the step (M <= MAX_ROWS)
     m_ok = (m < M)[:, None]
     q_rows = q_ptr + n.to(tl.int64)[:, None] * (K * BITS // 8)
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
@@ -263,17 +253,6 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                 xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
                 xe, xo = (xc.to(tl.float32) * HALF_DOWN).reshape(BLOCK_M, SUB_K // 2, 2).split()
                 acc1 = _half_step(acc1, b, xe, xo, z[:, None], (s * HALF_UP)[:, None])
-            elif SPLIT and USE_DOT:     # split-nibble GEMM tiles (no prologue)
-                lo, hi, s = _nibbles_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP,
-                                           BLOCK_N, SUB_K)
-                # the input's even and odd columns against the low and high nibbles: two dots
-                # of SUB_K / 2, the weight tiles (q - z) * s as _codes_tile rounds them, and no
-                # interleave of the codes (a layout change of the weight tile in the byte form)
-                xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
-                xe, xo = xc.reshape(BLOCK_M, SUB_K // 2, 2).split()
-                wt = y_ptr.dtype.element_ty
-                acc2 += mma(xe.to(wt), tl.trans((lo * s[:, None]).to(wt)), PRECISION)
-                acc2 += mma(xo.to(wt), tl.trans((hi * s[:, None]).to(wt)), PRECISION)
             elif SPLIT:
                 lo, hi, s = _nibbles_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP,
                                            BLOCK_N, SUB_K)
@@ -353,8 +332,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
 def _swap_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                       m_tiles, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_M: tl.constexpr, SUB_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      SPLIT: tl.constexpr, WS: tl.constexpr, PRECISION: tl.constexpr,
-                      USE_PDL: tl.constexpr):
+                      SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """SWAP_CANDIDATES' tiles: y[m, n] for BLOCK_M rows and BLOCK_N outputs as (W x^T)^T."""
     pid = tl.program_id(0)
     pid_m = pid % m_tiles
@@ -367,7 +345,7 @@ def _swap_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_
     wt = y_ptr.dtype.element_ty
     pdl_enter(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in tl.range(0, K, SUB_K, warp_specialize=WS):
+    for k0 in range(0, K, SUB_K):
         kk = tl.multiple_of(k0, SUB_K)
         xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
         if SPLIT:
@@ -460,37 +438,30 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
                 prologue: int = PLAIN, residual: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0):
     """x [M, K] (rows contiguous) @ W.T (+ bias) -> [M, N] in x's dtype, W the PackedWeight
-    (even groups), with one of CANDIDATES / DOT_CANDIDATES (M <= MAX_ROWS) or
-    GEMM_CANDIDATES (any M: row tiles of BLOCK_M) as the tile. The prologues are gemv.py's:
-    NORM, ADD_NORM (returning (y, x + residual)) and SILU_MUL (x = gate | up, [M, 2K])."""
+    (even groups), with one of CANDIDATES / DOT_CANDIDATES / SPLIT_CANDIDATES /
+    HALF_CANDIDATES / KSPLIT_CANDIDATES (M <= MAX_ROWS) or SWAP_CANDIDATES (any M: row tiles of
+    BLOCK_M) as the tile. The prologues (not for SWAP_CANDIDATES) are gemv.py's: NORM, ADD_NORM
+    (returning (y, x + residual)) and SILU_MUL (x = gate | up, [M, 2K])."""
     m = x.shape[0]
     n, k = pw.shape
     if config[0] == "t":
         return _swap_gemm(x, pw, bias, config, prologue)
     block_n, block_k, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
-    # SPLIT_CANDIDATES (1), HALF_CANDIDATES (2); a seventh element splits K (KSPLIT_CANDIDATES),
-    # or with a dot marks the split-nibble GEMM tiles
-    split = int(dot[1]) if not use_dot and len(dot) > 1 else \
-        int(use_dot and len(dot) > 2 and dot[2])
+    # SPLIT_CANDIDATES (1), HALF_CANDIDATES (2); a seventh element splits K (KSPLIT_CANDIDATES)
+    split = int(dot[1]) if not use_dot and len(dot) > 1 else 0
     ksplit = int(dot[2]) if not use_dot and len(dot) > 2 else 1
     assert ksplit == 1 or prologue == PLAIN and m <= MAX_ROWS and k % (ksplit * pw.group_size) \
         == 0, f"split-K tile {config} takes no prologue, <= {MAX_ROWS} rows and whole groups " \
         f"per split, not prologue {prologue}, {m} rows, K {k}, group {pw.group_size}"
-    assert m >= 1 and x.stride(1) == 1 and pw.g_idx is None
+    assert 1 <= m <= MAX_ROWS and x.stride(1) == 1 and pw.g_idx is None
     assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     assert not split or pw.bits == 4, f"SPLIT tiles read 4-bit codes, not {pw.bits}-bit"
-    assert not (split and use_dot) or prologue == PLAIN, \
-        f"split-nibble GEMM tile {config} takes no prologue, not {prologue}"
     assert split != 2 or m == 1 and prologue == PLAIN and x.dtype != torch.float32 \
         and half_fits(config, pw.group_size), f"HALF tile {config} takes one 16-bit row, " \
         f"no prologue and 8 code bytes a thread, not {m} rows of {x.dtype}, prologue " \
         f"{prologue}, group {pw.group_size}"
-    if use_dot and len(dot) > 1:
-        block_m = dot[1]
-    else:
-        assert m <= MAX_ROWS
-        block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
+    block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     r = r_out = x
     if prologue == ADD_NORM:
@@ -499,14 +470,13 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     if prologue in (NORM, ADD_NORM):
         assert norm_weight is not None and norm_weight.shape == (k,)
     sub_k, block_k = _tile_k(block_k, pw.group_size, k // ksplit)
-    row_tiles = triton.cdiv(m, block_m)
     pf = prefetch_programs(pw.qweight, block_n * pw.qweight.shape[1], prologue == PLAIN) \
-        if n % block_n == 0 and row_tiles == 1 else 0
+        if n % block_n == 0 else 0
     tiles = triton.cdiv(n, block_n)
     # sized for MAX_ROWS at once: a graph captured later at more rows needs no new buffer
     ws, counts = _split_k_buffers(x.device, ksplit * MAX_ROWS * n, tiles) if ksplit > 1 \
         else (y, y)
-    _packed_gemv_kernel[(tiles, row_tiles, ksplit)](
+    _packed_gemv_kernel[(tiles, 1, ksplit)](
         x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, r, r_out,
         norm_weight if norm_weight is not None else y, eps, ws, counts, m, n, k,
         x.stride(0), y.stride(0), r.stride(0), r_out.stride(0), GROUP=pw.group_size,
@@ -520,7 +490,7 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
 
 def _swap_gemm(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple, prologue: int):
     """packed_gemv with a SWAP_CANDIDATES tile (no prologue; SPLIT for 4-bit codes)."""
-    _, block_n, block_m, sub_k, warps, stages, split, ws = config
+    _, block_n, block_m, sub_k, warps, stages, split = config
     assert prologue == PLAIN, f"swap-AB tile {config} takes no prologue, not {prologue}"
     assert not split or pw.bits == 4, f"SPLIT tiles read 4-bit codes, not {pw.bits}-bit"
     assert x.stride(1) == 1 and pw.g_idx is None and x.shape[1] == pw.shape[1]
@@ -532,6 +502,5 @@ def _swap_gemm(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple, pr
         x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, m, n, k,
         x.stride(0), y.stride(0), m_tiles, GROUP=pw.group_size, BITS=pw.bits, BLOCK_N=block_n,
         BLOCK_M=block_m, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=bool(split),
-        WS=bool(ws), PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages,
-        **pdl_launch(x))
+        PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y

@@ -20,14 +20,19 @@ import torch.nn.functional as F
 import triton
 
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL
-from pagedbackend.kernels.gemv_w4 import (CANDIDATES, DOT_CANDIDATES, GEMM_CANDIDATES,
-                                          HALF_CANDIDATES, KSPLIT_CANDIDATES, MAX_GEMM_ROWS,
-                                          MAX_ROWS, SPLIT_CANDIDATES, SWAP_CANDIDATES,
-                                          _block_k, half_fits, packed_gemv)
+from pagedbackend.kernels.gemv_w4 import (CANDIDATES, DOT_CANDIDATES, HALF_CANDIDATES,
+                                          KSPLIT_CANDIDATES, MAX_ROWS, SPLIT_CANDIDATES,
+                                          SWAP_CANDIDATES, _block_k, half_fits, packed_gemv)
 
 logger = logging.getLogger("pagedbackend")
 
 FUSED_TRIES = 3     # the plain matmul's fastest tiles tried with a prologue inside
+# Steps of more rows run dequantize + cuBLAS untimed. At 512 rows and more it won every
+# llama-3.1-8b shape on the H100 and the H200 (calls 64, 70, 73: the tiles reach ~60% of
+# cuBLAS's rate), and rows buckets above the decode graphs' (prefill chunks of 1-4k tokens) are
+# first seen while serving: timing ~20 tiles then stalled those steps (W2 with AWQ, call 73:
+# 17 steps at 526 ms against 166, a third of the run).
+MAX_TUNED_ROWS = 512
 # (device, rows bucket, N, K, dtype, bits, group, prologue) -> the tile, or None: dequantize +
 # cuBLAS (PLAIN) / the separate prologue kernel, then the plain choice (the others)
 _CHOICE: dict[tuple, tuple | None] = {}
@@ -37,8 +42,9 @@ _RANKED: dict[tuple, list[tuple]] = {}      # the plain key -> tiles, fastest fi
 def packed_linear(x: torch.Tensor, pw, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) on the GPU: the skinny kernel for 1-8 rows, the tiled GEMM or
     dequantize + cuBLAS above, whichever was timed faster for the rows bucket (dequantize +
-    cuBLAS always for uneven groups: act order's row-parallel shards)."""
-    if pw.g_idx is not None or x.shape[0] > MAX_GEMM_ROWS or x.shape[0] == 0:
+    cuBLAS always for uneven groups, act order's row-parallel shards, and above
+    MAX_TUNED_ROWS)."""
+    if pw.g_idx is not None or x.shape[0] > MAX_TUNED_ROWS or x.shape[0] == 0:
         return F.linear(x, pw.dequantize(x.dtype), bias)
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = _config(x, pw, bias, PLAIN)
@@ -89,7 +95,7 @@ def _config(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
         if torch.cuda.is_current_stream_capturing():
             if prologue != PLAIN:
                 return None
-            return CANDIDATES[0] if x.shape[0] <= MAX_ROWS else GEMM_CANDIDATES[0]
+            return CANDIDATES[0] if x.shape[0] <= MAX_ROWS else None
         plain = _key(x, pw, PLAIN)
         if plain not in _CHOICE:
             _CHOICE[plain] = _tune(x, pw, bias, PLAIN)
@@ -103,10 +109,8 @@ def _tiles(rows: int, pw, dtype: torch.dtype = torch.bfloat16) -> tuple:
     # tiles that keep them to <= 64 registers a thread (SPLIT tiles hold half as many: the
     # same bound, with room to spare); SPLIT tiles read 4-bit codes only, HALF tiles one row
     # of a 16-bit input (fp16 sums) with eight code bytes a thread
-    if rows > MAX_ROWS:     # the split-nibble GEMM tiles (a seventh element True) and the
-        # swap-AB ones with SPLIT read 4-bit codes
-        return tuple(c for c in GEMM_CANDIDATES if len(c) < 7 or pw.bits == 4) \
-            + tuple(c for c in SWAP_CANDIDATES if not c[6] or pw.bits == 4)
+    if rows > MAX_ROWS:     # the swap-AB GEMM tiles; SPLIT ones read 4-bit codes
+        return tuple(c for c in SWAP_CANDIDATES if not c[6] or pw.bits == 4)
     fma = CANDIDATES + (SPLIT_CANDIDATES if pw.bits == 4 else ())
     if rows == 1:
         half_ok = pw.bits == 4 and dtype != torch.float32
