@@ -9,11 +9,10 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (after call 69 on an H100, perf/RESULTS.md): "w4wide" (~4 min: the swap-AB
-# W4A16 tiles and the dequantization beside a cuBLAS matmul, the look-ahead's GPU test), then
-# "w2awq" (~9 min: W2 128/128 bf16, AWQ, AWQ with the look-ahead), then "servefp8" (~8 min:
-# bf16 then fp8, the busy-period lines timing each step path); on an H200, "w1bytes" (~8 min:
-# the W1 goals 500 / 420 / 400 are H200 figures).
+# Next calls (after H200 calls 70-73, perf/RESULTS.md): "w2awq" (~8 min: W2 128/128 bf16 then
+# AWQ with c93db58's untimed dequantize + cuBLAS above 512 rows: the stall call 73 found is
+# gone?), then "correctnessawq correctnessgptq" (~10 min). Pass PAGEDBACKEND_COMMIT as a
+# literal hash computed here: on the device `git rev-parse` reads a stale .git (calls 71-73).
 run() {  # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
