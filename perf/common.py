@@ -90,8 +90,8 @@ def result_model(model: str, label: str) -> tuple[str, str]:
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
            "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, blaslt, ropekernel, "
            "oldtiles, eagerprefill, decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, "
-           "fp8oldtiles, awq, gptq, int8, pagedkv, nopdl, cublas; default runs the default "
-           "again (perf/common.run_variants)")
+           "fp8oldtiles, fp8w8a8, awq, gptq, int8, pagedkv, nopdl, cublas; default runs the "
+           "default again (perf/common.run_variants)")
 
 
 def run_variants(names: str, make_llm, body) -> None:
@@ -113,6 +113,8 @@ def run_variants(names: str, make_llm, body) -> None:
     before them: layers/fp8_inputs.FUSED_QUANT off), fp8oldtiles (the skinny matmul's tuner
     without the one-row fp8 tiles that widen e4m3 with integer ops, gemv.FP8_WIDEN_CANDIDATES;
     its choices are forgotten so the next engine tunes again, as after a later "default"),
+    fp8w8a8 (fp8 weights' decode steps quantize their input and run the tensor-core FP8 GEMM
+    of kernels/fp8_mma.py instead of the W8A16 tiles: fp8_mma.ENABLED),
     awq / gptq / int8 (make_llm(quantization=...): dummy 4-bit AWQ / GPTQ codes generated on
     the device, or int8 weights; one weight kind at a time, a later one replaces an earlier one
     or fp8w),
@@ -138,10 +140,11 @@ def run_variants(names: str, make_llm, body) -> None:
         if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "blaslt", "ropekernel",
                               "eagerprefill", "oldtiles", "decode3", "gridorder", "fp8kv",
                               "fp8n64", "weights", "fp8nofuse", "fp8oldtiles", "pagedkv",
-                              "default"):
+                              "fp8w8a8", "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, "
                              "mbt<N>, blaslt, ropekernel, eagerprefill, oldtiles, "
                              "decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, fp8oldtiles, "
+                             "fp8w8a8, "
                              "awq, gptq, int8, pagedkv, nopdl, cublas "
                              "or default")
     steps, active, again = [("default", None)], [], 0
@@ -158,6 +161,8 @@ def run_variants(names: str, make_llm, body) -> None:
         from pagedbackend.worker import cuda_graph
         if "fp8nofuse" in variants:     # newer than perf/snapshot.sh's older engines
             from pagedbackend.layers import fp8_inputs
+        if "fp8w8a8" in variants:
+            from pagedbackend.kernels import fp8_mma
         switches = ((common, "PDL_ENABLED"), (gemv_tuning, "ENABLED"),
                     (decode, "ROPE_IN_DECODE"), (decode, "LONGEST_FIRST"),
                     (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
@@ -165,7 +170,8 @@ def run_variants(names: str, make_llm, body) -> None:
                     (common, "PREFETCH_BYTES"), (common, "PREFETCH_PLAIN_BYTES"),
                     (prefill, "CONTIG_KV")) \
             + (((fp8_inputs, "FUSED_QUANT"),) if "fp8nofuse" in variants else ()) \
-            + (((gemv_tuning, "FP8_WIDEN_CANDIDATES"),) if "fp8oldtiles" in variants else ())
+            + (((gemv_tuning, "FP8_WIDEN_CANDIDATES"),) if "fp8oldtiles" in variants else ()) \
+            + (((fp8_mma, "ENABLED"),) if "fp8w8a8" in variants else ())
         initial = [getattr(mod, name) for mod, name in switches]
     blas = torch.backends.cuda.preferred_blas_library()
     overrides = {}
@@ -203,6 +209,8 @@ def run_variants(names: str, make_llm, body) -> None:
             overrides["quantization"] = WEIGHT_VARIANTS[switch]
         elif switch == "fp8nofuse":
             fp8_inputs.FUSED_QUANT = False
+        elif switch == "fp8w8a8":
+            fp8_mma.ENABLED = True
         elif switch == "fp8oldtiles":
             gemv_tuning.FP8_WIDEN_CANDIDATES = ()
             gemv_tuning._CHOICE.clear()

@@ -410,6 +410,47 @@ def bench_bytes():
               f"{nbytes / (b_us * 1e-6) / 1e12:.2f} |")
 
 
+def bench_fp8mma():
+    """fp8 weights at 1, 4 and 16 rows, llama-3.1-8b's four matmuls: the best tensor-core W8A8
+    tile (kernels/fp8_mma.CANDIDATES, checked against the fp32 product of the quantized
+    operands) against torch._scaled_mm on the same e4m3 input, the per-row quantization of the
+    input alone (what o_proj adds: the others' come from their norm / activation kernel), and
+    the best W8A16 fp16-pair tile at one row (gemv.FP8_HALF_CANDIDATES, today's decode path).
+    TB/s: the weights' bytes over the tile's time."""
+    from pagedbackend.kernels import fp8_mma, gemv
+    from pagedbackend.kernels.gemv_tuning import _time_us
+    from pagedbackend.kernels.quant import quantize_rows_fp8
+    from pagedbackend.layers.quantization import fp8_gemm_cublas, quantize_weight_fp8
+    table = []
+    for name, n, k in LLAMA_MATMULS:
+        wq, sw = quantize_weight_fp8(torch.randn(n, k, device=DEVICE) / k ** 0.5)
+        tbs = lambda us: f"{n * k / (us * 1e-6) / 1e12:.2f} TB/s"      # noqa: B023,E731
+        for rows in (1, 4, 16):
+            x = torch.randn(rows, k, device=DEVICE, dtype=DT)
+            xq, sx = quantize_rows_fp8(x)
+            ref = (xq.float() * sx) @ (wq.float() * sw[:, None]).t()
+
+            def run(cfg, xq=xq, sx=sx, wq=wq, sw=sw):
+                return fp8_mma.fp8_mma_gemm(xq, sx, wq, sw, None, DT, cfg)
+
+            mma = _best_tile([c for c in fp8_mma.CANDIDATES if k % (c[1] * c[4]) == 0], run, ref,
+                             f"fp8mma {name} {rows} rows", tbs)
+            blas = _time_us(lambda: fp8_gemm_cublas(xq, sx, wq, sw, None, DT))  # noqa: B023
+            quant = _time_us(lambda: quantize_rows_fp8(x))      # noqa: B023
+            pair = (float("nan"), None)
+            if rows == 1:
+                pair = _best_tile(gemv.FP8_HALF_CANDIDATES, lambda cfg, x=x, wq=wq, sw=sw:
+                                  gemv.skinny_linear(x, wq, None, cfg, weight_scale=sw),
+                                  x.float() @ (wq.float() * sw[:, None]).t(),
+                                  f"fp8 pair {name}", tbs)
+            table.append((f"{name} N={n} K={k}", rows, n * k, mma, blas, quant, pair))
+    print("\n| shape | rows | best W8A8 tensor-core tile us | TB/s | torch._scaled_mm us | "
+          "input quantization us | best W8A16 pair tile us |\n|---|---:|---:|---:|---:|---:|---:|")
+    for shape, rows, nbytes, (m_us, m_cfg), blas, quant, (p_us, p_cfg) in table:
+        print(f"| {shape} | {rows} | {m_us:.1f} {m_cfg} | {nbytes / (m_us * 1e-6) / 1e12:.2f} | "
+              f"{blas:.1f} | {quant:.1f} | {p_us:.1f} {p_cfg or ''} |")
+
+
 def _best_tile(tiles, run, ref=None, label="w4", tbs=None) -> tuple[float, tuple | None]:
     """(us, tile) of the fastest of tiles, run(tile) graph-timed as the tuner times; a tile
     that fails to compile or run is printed and skipped. With ref (the product in fp32) every
@@ -448,7 +489,7 @@ def main():
              "fp8": bench_decode_fp8, "fp8in": bench_fp8_inputs,
              "prefill": lambda: bench_prefill(args.sweep), "mixed": bench_mixed,
              "elementwise": bench_elementwise, "w4": bench_w4, "w4wide": bench_w4_wide,
-             "bytes": bench_bytes}
+             "bytes": bench_bytes, "fp8mma": bench_fp8mma}
     for name in (args.only.split(",") if args.only else parts):
         parts[name]()
     print("\n| kernel | triton us | torch us | speed-up | |\n|---|---:|---:|---:|---|")

@@ -9,10 +9,11 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (after H200 calls 70-73, perf/RESULTS.md): "w2awq" (~8 min: W2 128/128 bf16 then
-# AWQ with c93db58's untimed dequantize + cuBLAS above 512 rows: the stall call 73 found is
-# gone?), then "correctnessawq correctnessgptq" (~10 min). Pass PAGEDBACKEND_COMMIT as a
-# literal hash computed here: on the device `git rev-parse` reads a stale .git (calls 71-73).
+# Next calls (after H200 calls 70-73, perf/RESULTS.md): "fp8mma" (~6-7 min: the W8A8 decode
+# route to W1 fp8 >= 420, written blind), then "w2awq" (~8 min: W2 128/128 bf16 then AWQ with
+# c93db58's untimed dequantize + cuBLAS above 512 rows: the stall call 73 found is gone?), then
+# "correctnessw8a8 correctnessawq correctnessgptq". Pass PAGEDBACKEND_COMMIT as a literal hash
+# computed here: on the device `git rev-parse` reads a stale .git (calls 71-73).
 run() {  # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -103,6 +104,16 @@ for s in $stages; do
     # the fused quantizing norm / SiLU·mul against the separate kernels (512 and 8,192 rows),
     # and each widening one-row fp8 tile against the same tile with triton's cast, ~1.5 min
     fp8inbench) run fp8inbench 150 python3 perf/kernels_bench.py --only fp8in ;;
+    # W8A8 decode for fp8 weights (kernels/fp8_mma.py, off by default, never run on a GPU yet):
+    # its GPU parity, the tensor-core tiles against torch._scaled_mm and the W8A16 pair tiles at
+    # 1/4/16 rows, then W1 with fp8 weights, W8A16 tiles then fp8w8a8, one process; ~6-7 min
+    fp8mma) run fp8mmatests 150 python3 -m pytest -q tests/test_fp8_kernels.py -k "fp8_mma or w8a8"
+            run fp8mmabench 150 python3 perf/kernels_bench.py --only fp8mma
+            run w1w8a8 300 python3 perf/w1_decode.py --quantization fp8 --suffix fp8 \
+              --ab fp8w8a8 ;;
+    # how far greedy output with W8A8 decode follows bf16 (as correctnessfp8w does for W8A16)
+    correctnessw8a8) run correctnessw8a8 200 env PAGEDBACKEND_FP8_DECODE=w8a8 "$base_py" \
+                       perf/gpu_correctness.py --dtypes bfloat16 --quantization fp8 ;;
     # the compiled W1 baseline alone, ~2 min
     w1compiled) run w1compiled 200 python3 perf/w1_compiled_baseline.py ;;
     # AWQ / GPTQ / INT8 weights: the W4A16 kernels' parity and tuning at real shapes; W1 with

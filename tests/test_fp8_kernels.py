@@ -305,3 +305,46 @@ def test_byte_half_tiles_fall_back_to_fp32_products_where_fp16_overflows(prologu
     y, ref = tile_and_reference(cfg, cfg[:4], x, wq, s, kind, args)
     assert y.isfinite().all()
     assert rel_err(y, ref) < 1e-2
+
+
+@pytest.mark.parametrize("cfg,m,dtype", [((64, 64, 4, 2, 1), 1, torch.bfloat16),
+                                         ((64, 32, 4, 2, 2), 3, torch.float32),
+                                         ((64, 32, 4, 2, 4), 16, torch.bfloat16)])
+def test_fp8_mma_gemm_is_the_w8a8_product(cfg, m, dtype):
+    """kernels/fp8_mma.py: e4m3 rows (per-row scales) times e4m3 weights (per-channel scales) on
+    the tensor cores, the input padded to 16 rows, split-K through the shared workspace: the
+    fp32 product of the dequantized operands (+ bias), at an N that is not a multiple of the
+    tile; the split counters are back at 0 after each launch (the next one starts clean)."""
+    from pagedbackend.kernels import fp8_mma, gemv_w4
+    from pagedbackend.layers.quantization import quantize_rows_fp8, quantize_weight_fp8
+    n, k = (6144, 4096) if CUDA else (72, 256)
+    wq, sw = quantize_weight_fp8(torch.randn(n, k, device=DEV) / k ** 0.5)
+    xq, sx = quantize_rows_fp8(torch.randn(m, k, device=DEV))
+    b = torch.randn(n, device=DEV).to(dtype)
+    ref = (xq.float() * sx) @ (wq.float() * sw[:, None]).t() + b.float()
+    for _ in range(2):
+        y = fp8_mma.fp8_mma_gemm(xq, sx, wq, sw, b, dtype, cfg)
+        assert y.shape == (m, n) and y.dtype == dtype
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+        assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+        if cfg[4] > 1:
+            assert not gemv_w4._SPLIT_K[xq.device][1].any()
+
+
+def test_w8a8_decode_setting_routes_e4m3_layers_off_the_w8a16_tiles(monkeypatch):
+    """PAGEDBACKEND_FP8_DECODE=w8a8 (fp8_mma.ENABLED): the skinny matmul's tuner offers no
+    tile for e4m3 weights (decode steps take the quantizing norm / activation and the FP8
+    GEMM), and leaves other weights alone; off, the FP8 GEMM keeps torch._scaled_mm."""
+    from pagedbackend.kernels import fp8_mma, gemv_tuning
+    from pagedbackend.layers.quantization import quantize_rows_fp8, quantize_weight_fp8
+    wq, sw = quantize_weight_fp8(torch.randn(64, 128, device=DEV))
+    xq, sx = quantize_rows_fp8(torch.randn(1, 128, device=DEV))
+    assert fp8_mma.maybe_fp8_mma_gemm(xq, sx, wq, sw, None, torch.bfloat16) is None
+    monkeypatch.setattr(fp8_mma, "ENABLED", True)
+    x = torch.randn(1, 128, device=DEV).bfloat16()
+    assert gemv_tuning._choice(x, wq, None) is None
+    monkeypatch.setattr(gemv_tuning, "_tune", lambda *a: ("tuned",))
+    monkeypatch.setattr(gemv_tuning, "_CHOICE", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert gemv_tuning._choice(x, torch.randn(64, 128, device=DEV).bfloat16(), None) \
+        == ("tuned",)

@@ -149,19 +149,25 @@ def test_without_variants_no_switch_module_is_needed(perf_module, monkeypatch):
         perf.run_variants("cublas", FakeLLM, lambda llm, label: None)
 
 
-def test_fp8nofuse_turns_the_fused_input_quantization_off_until_default(perf_module):
-    from pagedbackend.layers import fp8_inputs
+@pytest.mark.parametrize("variant,module,switch", [
+    ("fp8nofuse", "pagedbackend.layers.fp8_inputs", "FUSED_QUANT"),
+    ("fp8w8a8", "pagedbackend.kernels.fp8_mma", "ENABLED")])
+def test_fp8_switches_hold_until_default(perf_module, variant, module, switch):
+    """fp8nofuse turns the fused input quantization off, fp8w8a8 the tensor-core W8A8 decode
+    on; each stays with the fp8 weights after it and "default" restores the start."""
+    import importlib
+    mod = importlib.import_module(module)
     perf = perf_module("common")
-    start = fp8_inputs.FUSED_QUANT
+    start = getattr(mod, switch)
     seen = []
     try:
-        perf.run_variants("fp8w,fp8nofuse,default", FakeLLM, lambda llm, label: seen.append(
-            (label, llm.overrides, fp8_inputs.FUSED_QUANT)))
+        perf.run_variants(f"fp8w,{variant},default", FakeLLM, lambda llm, label: seen.append(
+            (label, llm.overrides, getattr(mod, switch))))
     finally:
-        fp8_inputs.FUSED_QUANT = start
+        setattr(mod, switch, start)
     fp8 = {"quantization": "fp8"}
-    assert start and seen == [("default", {}, True), ("fp8w", fp8, True),
-                              ("fp8w-fp8nofuse", fp8, False), ("default-again", {}, True)]
+    assert seen == [("default", {}, start), ("fp8w", fp8, start),
+                    (f"fp8w-{variant}", fp8, not start), ("default-again", {}, start)]
 
 
 def test_fp8oldtiles_tunes_again_without_the_widening_tiles(perf_module):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from pagedbackend.kernels import fp8_mma
 from pagedbackend.kernels.gemv import (ADD_NORM, CANDIDATES, DOT_CANDIDATES, FP8_CANDIDATES,
                                        FP8_HALF_CANDIDATES, FP8_WIDEN_CANDIDATES,
                                        INT8_HALF_CANDIDATES, MAX_ROWS, NORM, PLAIN, SILU_MUL,
@@ -214,6 +215,8 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """The tile measured faster than cuBLAS for this (rows, weight, prologue), or None for
     cuBLAS."""
     k_in = 2 * weight.shape[1] if prologue == SILU_MUL else weight.shape[1]
+    if weight.dtype == torch.float8_e4m3fn and fp8_mma.ENABLED:     # W8A8 decode: no W8A16 tile
+        return None
     if not ENABLED or x.dim() != 2 or x.shape[0] > MAX_ROWS or x.stride(1) != 1 \
             or not weight.is_contiguous() or x.shape[1] != k_in:
         return None

@@ -75,7 +75,21 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
 def fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """The FP8 GEMM on an input already quantized per row (xq [M, K] e4m3, sx [M, 1]): [M, N]
-    in dtype (through bf16 on the GPU, see fp8_linear)."""
+    in dtype. With kernels/fp8_mma.py on (PAGEDBACKEND_FP8_DECODE=w8a8), steps of 1-16 rows on
+    CUDA run its tensor-core kernel where it was timed faster for the shape; the rest
+    torch._scaled_mm (fp8_gemm_cublas)."""
+    if xq.is_cuda and xq.shape[0] <= 16:
+        from pagedbackend.kernels.fp8_mma import maybe_fp8_mma_gemm
+        y = maybe_fp8_mma_gemm(xq, sx, wq, w_scale, bias, dtype)
+        if y is not None:
+            return y
+    return fp8_gemm_cublas(xq, sx, wq, w_scale, bias, dtype)
+
+
+def fp8_gemm_cublas(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor,
+                    w_scale: torch.Tensor, bias: torch.Tensor | None,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """fp8_gemm with torch._scaled_mm (cuBLASLt on the GPU: through bf16, see fp8_linear)."""
     y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=w_scale.view(1, -1),
                          out_dtype=torch.bfloat16 if xq.is_cuda else dtype)
     if y.dtype != dtype:
