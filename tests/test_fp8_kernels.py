@@ -348,3 +348,43 @@ def test_w8a8_decode_setting_routes_e4m3_layers_off_the_w8a16_tiles(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert gemv_tuning._choice(x, torch.randn(64, 128, device=DEV).bfloat16(), None) \
         == ("tuned",)
+
+
+# compiled in a process of its own: this one runs triton's interpreter (kernel_env)
+HOPPER_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagedbackend.kernels import fp8_mma
+names = ["x_ptr", "sx_ptr", "w_ptr", "sw_ptr", "b_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "M", "N",
+         "K", "stride_xm", "stride_ym"]
+types = ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*bf16", "*fp32", "*i32"] + ["i32"] * 5
+sig = dict(zip(names, types))
+sig.update({c: "constexpr" for c in ("BLOCK_N", "BLOCK_K", "KSPLIT", "HAS_BIAS", "USE_PDL")})
+aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name != "M"}
+for i in map(int, sys.argv[1:]):
+    block_n, block_k, warps, stages, ksplit = fp8_mma.CANDIDATES[i]
+    src = ASTSource(fp8_mma._fp8_mma_kernel, sig, {"BLOCK_N": block_n, "BLOCK_K": block_k,
+                    "KSPLIT": ksplit, "HAS_BIAS": True, "USE_PDL": True}, aligned)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps, "num_stages": stages})
+    ptx = kernel.asm["ptx"]
+    print(i, "wgmma.mma_async" in ptx and "e4m3" in ptx, "cp.async" in ptx,
+          kernel.metadata.shared >= stages * (block_n + 16) * block_k)
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU runs the tiles themselves (fp8mma stage)")
+def test_fp8_mma_tiles_compile_for_hopper_to_pipelined_wgmma():
+    """Compiled for sm_90 on this machine, with the pointer alignment a launch specializes on:
+    the tiles' main loop runs on wgmma with e4m3 operands staged by cp.async through as many
+    shared-memory buffers as num_stages (the weight is never widened in registers)."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, "2", "6"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["2", "True", "True", "True", "6", "True", "True", "True"]
