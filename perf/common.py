@@ -144,9 +144,7 @@ def run_variants(names: str, make_llm, body) -> None:
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, "
                              "mbt<N>, blaslt, ropekernel, eagerprefill, oldtiles, "
                              "decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, fp8oldtiles, "
-                             "fp8w8a8, "
-                             "awq, gptq, int8, pagedkv, nopdl, cublas "
-                             "or default")
+                             "fp8w8a8, awq, gptq, int8, pagedkv, nopdl, cublas or default")
     steps, active, again = [("default", None)], [], 0
     for v in variants:
         if v == "default":      # later re-runs numbered: labels name the result files

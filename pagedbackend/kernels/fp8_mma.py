@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from pagedbackend.kernels.common import pdl_enter, pdl_launch
+from pagedbackend.kernels.gemv_w4 import _split_k_buffers, split_k_sum
 
 logger = logging.getLogger("pagedbackend")
 
@@ -64,35 +65,18 @@ def _fp8_mma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
     ok = n_ok[:, None] & m_ok[None, :]
+    last = True
     if KSPLIT > 1:
-        # each split's sums to the workspace [KSPLIT, M, N]; the tile's count of splits done,
-        # taken after a barrier, tells the last one, which adds them in split order (the same
-        # bits whichever ends last) and sets the count back to 0 for the next launch
-        mn = m[None, :] * N + n[:, None]
-        tl.store(ws_ptr + ks * M * N + mn, acc, mask=ok)
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if done == KSPLIT - 1:
-            acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-            for j in tl.static_range(KSPLIT):
-                acc += tl.load(ws_ptr + j * M * N + mn, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(cnt_ptr + pid, 0)
-            _finish(acc, sx_ptr, sw_ptr, b_ptr, y_ptr, n, m, n_ok, m_ok, ok, stride_ym, HAS_BIAS)
-    else:
-        _finish(acc, sx_ptr, sw_ptr, b_ptr, y_ptr, n, m, n_ok, m_ok, ok, stride_ym, HAS_BIAS)
-
-
-@triton.jit
-def _finish(acc, sx_ptr, sw_ptr, b_ptr, y_ptr, n, m, n_ok, m_ok, ok, stride_ym,
-            HAS_BIAS: tl.constexpr):
-    """y[m, n] = acc[n, m] * w_scale[n] * x_scale[m] (+ bias[n]) in y's dtype."""
-    sw = tl.load(sw_ptr + n, mask=n_ok, other=0.0)
-    sx = tl.load(sx_ptr + m, mask=m_ok, other=0.0)
-    y = acc * sw[:, None] * sx[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None],
-             y.to(y_ptr.dtype.element_ty), mask=ok)
+        acc, last = split_k_sum(acc, ws_ptr, cnt_ptr, pid, ks, m[None, :] * N + n[:, None], ok,
+                                M * N, KSPLIT)
+    if last:        # y[m, n] = acc[n, m] * w_scale[n] * x_scale[m] (+ bias[n])
+        sw = tl.load(sw_ptr + n, mask=n_ok, other=0.0)
+        sx = tl.load(sx_ptr + m, mask=m_ok, other=0.0)
+        y = acc * sw[:, None] * sx[None, :]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None],
+                 y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def fp8_mma_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
@@ -100,7 +84,6 @@ def fp8_mma_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, w_scale: 
     """(xq * sx) @ (wq * w_scale[:, None]).T (+ bias) -> [M, N] in dtype, xq [M <= 16, K]
     e4m3 (rows contiguous) with sx [M, 1] fp32, wq [N, K] e4m3 with w_scale [N] fp32, with a
     CANDIDATES tile."""
-    from pagedbackend.kernels.gemv_w4 import _split_k_buffers
     block_n, block_k, warps, stages, ksplit = config
     m, k = xq.shape
     n = wq.shape[0]
@@ -130,7 +113,7 @@ def maybe_fp8_mma_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor,
     """The tile's result where one was timed faster than torch._scaled_mm for this shape's
     rows bucket (tuned at first sight outside CUDA-graph capture, checked against it), else
     None (the caller runs torch._scaled_mm)."""
-    m, k = xq.shape
+    m = xq.shape[0]
     if not ENABLED or not xq.is_cuda or m > MAX_MMA_ROWS or xq.stride(1) != 1 \
             or not wq.is_contiguous():
         return None

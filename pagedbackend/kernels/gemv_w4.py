@@ -193,6 +193,25 @@ def _half_step(acc, b, xe, xo, z, s):
 
 
 @triton.jit
+def split_k_sum(part, ws_ptr, cnt_ptr, tile, ks, mn, ok, MN, KSPLIT: tl.constexpr):
+    """Split ks's fp32 sums `part` of output tile `tile` to the workspace [KSPLIT, MN] (at
+    offsets mn, where ok); the tile's count of splits done, taken after a barrier (every
+    thread's stores before the release), tells the last one, which adds the KSPLIT sums in
+    split order (the same bits whichever ends last) and sets the count back to 0 for the next
+    launch. Returns (the whole sums, valid in the last split only; whether this is it). Serves
+    _packed_gemv_kernel's split-K tiles and fp8_mma's (the workspace: _split_k_buffers)."""
+    tl.store(ws_ptr + ks * MN + mn, part, mask=ok)
+    tl.debug_barrier()
+    last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == KSPLIT - 1
+    total = tl.zeros_like(part)
+    if last:
+        for j in tl.static_range(KSPLIT):
+            total += tl.load(ws_ptr + j * MN + mn, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(cnt_ptr + tile, 0)
+    return total, last
+
+
+@triton.jit
 def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps,
                         ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, stride_rm, stride_rom,
                         GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -302,30 +321,16 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         y = tl.sum(acc3, axis=2)
     if PROLOGUE == 1 or PROLOGUE == 2:
         y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
+    ok = m_ok & n_ok[None, :]
+    last = True
     if KSPLIT > 1:
-        # each split's fp32 sums to the workspace [KSPLIT, M, N]; the tile's count of splits
-        # done, taken after a barrier (every thread's stores before the release), tells the
-        # last one, which adds the KSPLIT sums in split order (the same bits whichever ends
-        # last), writes y and sets the count back to 0 for the next launch
-        mn = m[:, None] * N + n[None, :]
-        ok = m_ok & n_ok[None, :]
-        tl.store(ws_ptr + ks * M * N + mn, y, mask=ok)
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if done == KSPLIT - 1:
-            y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(KSPLIT):
-                y += tl.load(ws_ptr + j * M * N + mn, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(cnt_ptr + pid, 0)
-            if HAS_BIAS:
-                y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
-                     y.to(y_ptr.dtype.element_ty), mask=ok)
-    else:
+        y, last = split_k_sum(y, ws_ptr, cnt_ptr, pid, ks, m[:, None] * N + n[None, :], ok,
+                              M * N, KSPLIT)
+    if last:
         if HAS_BIAS:
             y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
-                 y.to(y_ptr.dtype.element_ty), mask=m_ok & n_ok[None, :])
+                 y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -78,7 +78,7 @@ def fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, w_scale: torc
     in dtype. With kernels/fp8_mma.py on (PAGEDBACKEND_FP8_DECODE=w8a8), steps of 1-16 rows on
     CUDA run its tensor-core kernel where it was timed faster for the shape; the rest
     torch._scaled_mm (fp8_gemm_cublas)."""
-    if xq.is_cuda and xq.shape[0] <= 16:
+    if xq.is_cuda:
         from pagedbackend.kernels.fp8_mma import maybe_fp8_mma_gemm
         y = maybe_fp8_mma_gemm(xq, sx, wq, w_scale, bias, dtype)
         if y is not None:
