@@ -380,6 +380,41 @@ def bench_w4_wide():
               f"{bf16:.1f} | {bf16 / min(s_us, deq_mm):.2f}x |")
 
 
+def bench_dequant():
+    """The 4-bit dequantization that dequantize + cuBLAS runs before every wide AWQ / GPTQ
+    matmul, llama-3.1-8b's four shapes, group 128, to bf16: the word-pair kernel
+    (_dequant_pairs_kernel, no int-to-float conversion) at a few tiles against the one that
+    converts each code (_dequant_kernel, BITS=4, 32 x 128). TB/s: codes, scales and zeros
+    read plus the bf16 weight written."""
+    from pagedbackend.kernels import gemv_w4
+    from pagedbackend.kernels.gemv_tuning import _time_us
+    print("\n| shape | converting kernel us | pair kernel us (tile) | TB/s | speed-up |\n"
+          "|---|---:|---:|---:|---:|")
+    default = gemv_w4.DEQUANT_PAIRS_TILE
+    for name, n, k in LLAMA_MATMULS:
+        pw = random_packed_weight(n, k)
+        out = torch.empty((n, k), dtype=DT, device=DEVICE)
+
+        def converting(pw=pw, out=out, n=n, k=k):
+            gemv_w4._dequant_kernel[(triton.cdiv(n, 32), k // 128)](
+                pw.qweight, pw.scales, pw.zeros, out, n, k, GROUP=128, BITS=4, BLOCK_N=32,
+                BLOCK_K=128, num_warps=4)
+        converting()
+        want = out.clone()
+        old = _time_us(converting)
+        best = None
+        for tile in (default, (32, 128, 4), (128, 128, 8), (64, 128, 2), (128, 128, 4)):
+            gemv_w4.DEQUANT_PAIRS_TILE = tile
+            assert torch.equal(pw.dequantize(DT), want), tile
+            us = _time_us(lambda pw=pw: pw.dequantize(DT))
+            best = min(best or (us, tile), (us, tile))
+        gemv_w4.DEQUANT_PAIRS_TILE = default
+        nbytes = pw.qweight.numel() + pw.scales.numel() * pw.scales.element_size() \
+            + pw.zeros.numel() + n * k * 2
+        print(f"| {name} N={n} K={k} | {old:.1f} | {best[0]:.1f} {best[1]} | "
+              f"{nbytes / (best[0] * 1e-6) / 1e12:.2f} | {old / best[0]:.2f}x |")
+
+
 def bench_bytes():
     """One-byte weights (fp8 e4m3, int8) at one row, llama-3.1-8b's four matmuls, no prologue:
     the best of the skinny kernel's fp32 tiles (CANDIDATES, FP8_CANDIDATES, e4m3's
@@ -479,7 +514,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also try a few tile configs")
     ap.add_argument("--only", default="",
                     help="comma-separated parts to run: decode, mixedlen, fp8, fp8in, prefill, "
-                         "mixed, elementwise, w4, w4wide, bytes (default: all)")
+                         "mixed, elementwise, w4, w4wide, bytes, fp8mma, dequant (default: all)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "kernels_bench needs a CUDA GPU"
     torch.manual_seed(0)
@@ -489,7 +524,7 @@ def main():
              "fp8": bench_decode_fp8, "fp8in": bench_fp8_inputs,
              "prefill": lambda: bench_prefill(args.sweep), "mixed": bench_mixed,
              "elementwise": bench_elementwise, "w4": bench_w4, "w4wide": bench_w4_wide,
-             "bytes": bench_bytes, "fp8mma": bench_fp8mma}
+             "bytes": bench_bytes, "fp8mma": bench_fp8mma, "dequant": bench_dequant}
     for name in (args.only.split(",") if args.only else parts):
         parts[name]()
     print("\n| kernel | triton us | torch us | speed-up | |\n|---|---:|---:|---:|---|")

@@ -57,6 +57,9 @@ def test_dequantize_kernel_is_the_reference_to_the_bit(bits, group):
     got = gemv_w4.dequantize_packed(pw, torch.bfloat16).float()
     # the interpreter truncates fp32 -> bf16 where the GPU rounds: one bf16 ulp at most
     assert ((got - want).abs() <= want.abs() * 2 ** -7).all()
+    # 4-bit codes to 16 bits go through the pair kernel (words of two weights): fp16 rounds
+    # the same way in the interpreter and on the GPU
+    assert torch.equal(gemv_w4.dequantize_packed(pw, torch.float16), want.half())
 
 
 # FMA and DOT take several groups per iteration at these K; SMALL half a group
