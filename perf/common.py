@@ -114,7 +114,7 @@ def run_variants(names: str, make_llm, body) -> None:
     without the one-row fp8 tiles that widen e4m3 with integer ops, gemv.FP8_WIDEN_CANDIDATES;
     its choices are forgotten so the next engine tunes again, as after a later "default"),
     fp8w8a8 (fp8 weights' decode steps quantize their input and run the tensor-core FP8 GEMM
-    of kernels/fp8_mma.py instead of the W8A16 tiles: fp8_mma.ENABLED),
+    of kernels/fp8_mma.py instead of the W8A16 tiles: fp8_mma.W8A8_DECODE),
     awq / gptq / int8 (make_llm(quantization=...): dummy 4-bit AWQ / GPTQ codes generated on
     the device, or int8 weights; one weight kind at a time, a later one replaces an earlier one
     or fp8w),
@@ -169,7 +169,7 @@ def run_variants(names: str, make_llm, body) -> None:
                     (prefill, "CONTIG_KV")) \
             + (((fp8_inputs, "FUSED_QUANT"),) if "fp8nofuse" in variants else ()) \
             + (((gemv_tuning, "FP8_WIDEN_CANDIDATES"),) if "fp8oldtiles" in variants else ()) \
-            + (((fp8_mma, "ENABLED"),) if "fp8w8a8" in variants else ())
+            + (((fp8_mma, "W8A8_DECODE"),) if "fp8w8a8" in variants else ())
         initial = [getattr(mod, name) for mod, name in switches]
     blas = torch.backends.cuda.preferred_blas_library()
     overrides = {}
@@ -208,7 +208,7 @@ def run_variants(names: str, make_llm, body) -> None:
         elif switch == "fp8nofuse":
             fp8_inputs.FUSED_QUANT = False
         elif switch == "fp8w8a8":
-            fp8_mma.ENABLED = True
+            fp8_mma.W8A8_DECODE = True
         elif switch == "fp8oldtiles":
             gemv_tuning.FP8_WIDEN_CANDIDATES = ()
             gemv_tuning._CHOICE.clear()

@@ -446,7 +446,7 @@ def bench_bytes():
 
 
 def bench_fp8mma():
-    """fp8 weights at 1, 4 and 16 rows, llama-3.1-8b's four matmuls: the best tensor-core W8A8
+    """fp8 weights at 1, 4, 16, 32 and 64 rows, llama-3.1-8b's four matmuls: the best tensor-core W8A8
     tile (kernels/fp8_mma.CANDIDATES, checked against the fp32 product of the quantized
     operands) against torch._scaled_mm on the same e4m3 input, the per-row quantization of the
     input alone (what o_proj adds: the others' come from their norm / activation kernel), and
@@ -460,7 +460,7 @@ def bench_fp8mma():
     for name, n, k in LLAMA_MATMULS:
         wq, sw = quantize_weight_fp8(torch.randn(n, k, device=DEVICE) / k ** 0.5)
         tbs = lambda us: f"{n * k / (us * 1e-6) / 1e12:.2f} TB/s"      # noqa: B023,E731
-        for rows in (1, 4, 16):
+        for rows in (1, 4, 16, 32, 64):
             x = torch.randn(rows, k, device=DEVICE, dtype=DT)
             xq, sx = quantize_rows_fp8(x)
             ref = (xq.float() * sx) @ (wq.float() * sw[:, None]).t()

@@ -151,7 +151,7 @@ def test_without_variants_no_switch_module_is_needed(perf_module, monkeypatch):
 
 @pytest.mark.parametrize("variant,module,switch", [
     ("fp8nofuse", "pagedbackend.layers.fp8_inputs", "FUSED_QUANT"),
-    ("fp8w8a8", "pagedbackend.kernels.fp8_mma", "ENABLED")])
+    ("fp8w8a8", "pagedbackend.kernels.fp8_mma", "W8A8_DECODE")])
 def test_fp8_switches_hold_until_default(perf_module, variant, module, switch):
     """fp8nofuse turns the fused input quantization off, fp8w8a8 the tensor-core W8A8 decode
     on; each stays with the fp8 weights after it and "default" restores the start."""

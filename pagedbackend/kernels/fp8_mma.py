@@ -1,5 +1,5 @@
 """The FP8 GEMM (quantization="fp8": e4m3 weights, per-channel scales; e4m3 inputs, per-row
-scales) for steps of 1-16 rows on the tensor cores, where cuBLASLt's FP8 GEMM is built for
+scales) for steps of 1-64 rows on the tensor cores, where cuBLASLt's FP8 GEMM is built for
 wide ones.
 
 The one-row tiles of gemv.py multiply e4m3 weights by the 16-bit input (W8A16) and spend their
@@ -7,17 +7,22 @@ time widening e4m3, not waiting on memory: on the H200 they read a layer's weigh
 of 4.8 (call 72). Here nothing is widened: the input comes quantized per row (as the wide
 steps' FP8 GEMMs take it: the RMSNorm / SiLU·mul kernels write it, layers/fp8_inputs.py) and
 the weight tile goes from memory to the tensor cores untouched, as the first operand of a dot
-with the input's rows padded to 16 (swap-AB: acc[BLOCK_N, 16] = W x^T), the per-channel and
-per-row scales applied to the fp32 sums. Split-K (KSPLIT programs over one output tile's K,
+with the input's rows padded to BLOCK_M = 16-64 (swap-AB: acc[BLOCK_N, BLOCK_M] = W x^T), the
+per-channel and per-row scales applied to the fp32 sums. Hopper's fp8 MMA sums the exact
+products at reduced precision (triton never promotes them on sm_90 by default): ~6e-4
+relative at K 4,096, under a bf16 output's rounding. Split-K (KSPLIT programs over one output tile's K,
 the last to finish adding the fp32 sums in split order through gemv_w4's workspace) gives the
 N = 4096-6144 shapes enough programs.
 
 This is W8A8, the arithmetic of the wide steps and of cuBLASLt's FP8 GEMM, not that of the
-W8A16 tiles: a tile is timed against torch._scaled_mm on the same quantized input and must agree
-with it. Off unless PAGEDBACKEND_FP8_DECODE=w8a8 (ENABLED), which also makes the skinny
-matmul's tuner skip its W8A16 tiles for e4m3 weights (gemv_tuning._choice), so decode steps run
-the quantizing RMSNorm / SiLU·mul kernels and this GEMM. Not yet run on a GPU: perf's `fp8w8a8`
-variant times W1 with it against the W8A16 tiles.
+W8A16 tiles: a tile is timed against torch._scaled_mm on the same quantized input, must agree
+with it, and replaces it only where faster (fp8_gemm), so it changes no step's arithmetic:
+steps the W8A16 one-row tiles take (1-4 rows, gemv_tuning) keep them. On an H100 (call 74) the
+tiles ran 1-16 rows in the same time, 1.2-1.6x torch._scaled_mm's, and 0.85-0.96x the W8A16
+pair tiles at one row. PAGEDBACKEND_FP8_DECODE=w8a8 (W8A8_DECODE) also makes the skinny
+matmul's tuner skip its W8A16 tiles for e4m3 weights (gemv_tuning._choice), so every decode
+step runs the quantizing RMSNorm / SiLU·mul kernels and this GEMM (W1 on the H100: 281.7 tok/s
+against 279.0); =cublas keeps torch._scaled_mm everywhere.
 """
 from __future__ import annotations
 
@@ -33,8 +38,10 @@ from pagedbackend.kernels.gemv_w4 import _split_k_buffers, split_k_sum
 
 logger = logging.getLogger("pagedbackend")
 
-ENABLED = os.environ.get("PAGEDBACKEND_FP8_DECODE", "w8a16") == "w8a8"
-MAX_MMA_ROWS = 16
+_MODE = os.environ.get("PAGEDBACKEND_FP8_DECODE", "w8a16")
+ENABLED = _MODE != "cublas"
+W8A8_DECODE = _MODE == "w8a8"
+MAX_MMA_ROWS = 64
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, KSPLIT); BLOCK_N a multiple of 64 (a warpgroup's
 # rows of the tensor-core instruction), KSPLIT whole BLOCK_K pieces per split
 CANDIDATES = ((64, 256, 4, 4, 1), (64, 256, 4, 4, 2), (64, 256, 4, 4, 4), (64, 256, 4, 4, 8),
@@ -45,19 +52,20 @@ CANDIDATES = ((64, 256, 4, 4, 1), (64, 256, 4, 4, 2), (64, 256, 4, 4, 4), (64, 2
 @triton.jit
 def _fp8_mma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K,
                     stride_xm, stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    KSPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+                    BLOCK_M: tl.constexpr, KSPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     ks = tl.program_id(1)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    m = tl.arange(0, 16)
+    m = tl.arange(0, BLOCK_M)
     m_ok = m < M
     k_len = K // KSPLIT
     k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * K
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     pdl_enter(USE_PDL)
-    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0,
@@ -81,9 +89,9 @@ def _fp8_mma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
 
 def fp8_mma_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                  bias: torch.Tensor | None, dtype: torch.dtype, config: tuple) -> torch.Tensor:
-    """(xq * sx) @ (wq * w_scale[:, None]).T (+ bias) -> [M, N] in dtype, xq [M <= 16, K]
+    """(xq * sx) @ (wq * w_scale[:, None]).T (+ bias) -> [M, N] in dtype, xq [M <= 64, K]
     e4m3 (rows contiguous) with sx [M, 1] fp32, wq [N, K] e4m3 with w_scale [N] fp32, with a
-    CANDIDATES tile."""
+    CANDIDATES tile (the rows padded to the next power of two, 16 at least)."""
     block_n, block_k, warps, stages, ksplit = config
     m, k = xq.shape
     n = wq.shape[0]
@@ -93,12 +101,13 @@ def fp8_mma_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, w_scale: 
         f"{block_k * ksplit}, not {m} rows, K {k}"
     y = torch.empty((m, n), dtype=dtype, device=xq.device)
     tiles = triton.cdiv(n, block_n)
-    ws, counts = _split_k_buffers(xq.device, ksplit * MAX_MMA_ROWS * n, tiles) if ksplit > 1 \
+    block_m = max(16, triton.next_power_of_2(m))
+    ws, counts = _split_k_buffers(xq.device, ksplit * block_m * n, tiles) if ksplit > 1 \
         else (y, y)
     _fp8_mma_kernel[(tiles, ksplit)](
         xq, sx.reshape(-1), wq, w_scale.reshape(-1), bias if bias is not None else y, y, ws,
         counts, m, n, k, xq.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-        KSPLIT=ksplit, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, KSPLIT=ksplit, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages,
         **pdl_launch(xq))
     return y
 

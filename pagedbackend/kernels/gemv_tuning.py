@@ -214,7 +214,7 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             prologue: int = PLAIN, scale: torch.Tensor | None = None) -> tuple | None:
     """The tile measured faster than cuBLAS for this (rows, weight, prologue), or None for
     cuBLAS."""
-    if weight.dtype == torch.float8_e4m3fn and fp8_mma.ENABLED:     # W8A8 decode: no W8A16 tile
+    if weight.dtype == torch.float8_e4m3fn and fp8_mma.W8A8_DECODE:     # no W8A16 tile
         return None
     k_in = 2 * weight.shape[1] if prologue == SILU_MUL else weight.shape[1]
     if not ENABLED or x.dim() != 2 or x.shape[0] > MAX_ROWS or x.stride(1) != 1 \

@@ -75,8 +75,8 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
 def fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """The FP8 GEMM on an input already quantized per row (xq [M, K] e4m3, sx [M, 1]): [M, N]
-    in dtype. With kernels/fp8_mma.py on (PAGEDBACKEND_FP8_DECODE=w8a8), steps of 1-16 rows on
-    CUDA run its tensor-core kernel where it was timed faster for the shape; the rest
+    in dtype. Steps of 1-64 rows on CUDA run kernels/fp8_mma.py's tensor-core kernel where it
+    was timed faster for the shape (unless PAGEDBACKEND_FP8_DECODE=cublas); the rest
     torch._scaled_mm (fp8_gemm_cublas)."""
     if xq.is_cuda:
         from pagedbackend.kernels.fp8_mma import maybe_fp8_mma_gemm
