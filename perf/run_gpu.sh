@@ -9,11 +9,10 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (after H200 calls 70-73, perf/RESULTS.md): "fp8mma" (~6-7 min: the W8A8 decode
-# route to W1 fp8 >= 420, written blind), then "w2awq" (~8 min: W2 128/128 bf16 then AWQ with
-# c93db58's untimed dequantize + cuBLAS above 512 rows: the stall call 73 found is gone?), then
-# "correctnessw8a8 correctnessawq correctnessgptq". Pass PAGEDBACKEND_COMMIT as a literal hash
-# computed here: on the device `git rev-parse` reads a stale .git (calls 71-73).
+# Next calls (after H100 calls 74-75, perf/RESULTS.md): on an H200, "dequant fp8mma" (~4 min:
+# the W8A8 fp8 tiles at 1-64 rows, W1 fp8 A/B) then "w2awq" (~5 min: AWQ 0.854x bf16 on an
+# H100), then "correctnessw8a8 correctnessawq correctnessgptq". Pass PAGEDBACKEND_COMMIT as a
+# literal hash computed here: on the device `git rev-parse` reads a stale .git (calls 71-73).
 run() {  # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -104,9 +103,9 @@ for s in $stages; do
     # the fused quantizing norm / SiLU·mul against the separate kernels (512 and 8,192 rows),
     # and each widening one-row fp8 tile against the same tile with triton's cast, ~1.5 min
     fp8inbench) run fp8inbench 150 python3 perf/kernels_bench.py --only fp8in ;;
-    # W8A8 decode for fp8 weights (kernels/fp8_mma.py, off by default, never run on a GPU yet):
-    # its GPU parity, the tensor-core tiles against torch._scaled_mm and the W8A16 pair tiles at
-    # 1/4/16 rows, then W1 with fp8 weights, W8A16 tiles then fp8w8a8, one process; ~6-7 min
+    # the W8A8 fp8 tiles (kernels/fp8_mma.py; H100 call 74): their GPU parity, the tiles
+    # against torch._scaled_mm and the W8A16 pair tiles at
+    # 1-64 rows, then W1 with fp8 weights, W8A16 tiles then fp8w8a8, one process; ~4 min
     fp8mma) run fp8mmatests 150 python3 -m pytest -q tests/test_fp8_kernels.py -k "fp8_mma or w8a8"
             run fp8mmabench 150 python3 perf/kernels_bench.py --only fp8mma
             run w1w8a8 300 python3 perf/w1_decode.py --quantization fp8 --suffix fp8 \
