@@ -446,12 +446,13 @@ def bench_bytes():
 
 
 def bench_fp8mma():
-    """fp8 weights at 1, 4, 16, 32 and 64 rows, llama-3.1-8b's four matmuls: the best tensor-core W8A8
-    tile (kernels/fp8_mma.CANDIDATES, checked against the fp32 product of the quantized
-    operands) against torch._scaled_mm on the same e4m3 input, the per-row quantization of the
-    input alone (what o_proj adds: the others' come from their norm / activation kernel), and
-    the best W8A16 fp16-pair tile at one row (gemv.FP8_HALF_CANDIDATES, today's decode path).
-    TB/s: the weights' bytes over the tile's time."""
+    """fp8 weights at 1, 4, 16, 32 and 64 rows, llama-3.1-8b's four matmuls: the best
+    tensor-core W8A8 tile (kernels/fp8_mma.CANDIDATES, checked against the fp32 product of the
+    quantized operands) against torch._scaled_mm on the same e4m3 input, the per-row
+    quantization of the input alone (what o_proj adds: the others' come from their norm /
+    activation kernel), and the best W8A16 fp16-pair tile at one row
+    (gemv.FP8_HALF_CANDIDATES, the one-row decode path). TB/s: the weights' bytes over the
+    tile's time."""
     from pagedbackend.kernels import fp8_mma, gemv
     from pagedbackend.kernels.gemv_tuning import _time_us
     from pagedbackend.kernels.quant import quantize_rows_fp8

@@ -10,9 +10,9 @@ the weight tile goes from memory to the tensor cores untouched, as the first ope
 with the input's rows padded to BLOCK_M = 16-64 (swap-AB: acc[BLOCK_N, BLOCK_M] = W x^T), the
 per-channel and per-row scales applied to the fp32 sums. Hopper's fp8 MMA sums the exact
 products at reduced precision (triton never promotes them on sm_90 by default): ~6e-4
-relative at K 4,096, under a bf16 output's rounding. Split-K (KSPLIT programs over one output tile's K,
-the last to finish adding the fp32 sums in split order through gemv_w4's workspace) gives the
-N = 4096-6144 shapes enough programs.
+relative at K 4,096, under a bf16 output's rounding. Split-K (KSPLIT programs over one
+output tile's K, the last to finish adding the fp32 sums in split order through gemv_w4's
+workspace) gives the N = 4096-6144 shapes enough programs.
 
 This is W8A8, the arithmetic of the wide steps and of cuBLASLt's FP8 GEMM, not that of the
 W8A16 tiles: a tile is timed against torch._scaled_mm on the same quantized input, must agree
@@ -107,7 +107,8 @@ def fp8_mma_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, w_scale: 
     _fp8_mma_kernel[(tiles, ksplit)](
         xq, sx.reshape(-1), wq, w_scale.reshape(-1), bias if bias is not None else y, y, ws,
         counts, m, n, k, xq.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_M=block_m, KSPLIT=ksplit, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, KSPLIT=ksplit, HAS_BIAS=bias is not None, num_warps=warps,
+        num_stages=stages,
         **pdl_launch(xq))
     return y
 
