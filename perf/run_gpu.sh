@@ -11,7 +11,9 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
 # Next calls (after H100 calls 74-75, perf/RESULTS.md): on an H200, "dequant fp8mma" (~4 min:
 # the W8A8 fp8 tiles at 1-64 rows, W1 fp8 A/B) then "w2awq" (~5 min: AWQ 0.854x bf16 on an
-# H100), then "correctnessw8a8 correctnessawq correctnessgptq". Pass PAGEDBACKEND_COMMIT as a
+# H100), then "correctnessw8a8 correctnessawq correctnessgptq", then "servefp8" (~8 min, carry
+# models/dummy/llama-3.1-8b: W4 with fp8 weights, whose ~36-row decode steps at rate 16 now may
+# take the W8A8 tiles instead of torch._scaled_mm). Pass PAGEDBACKEND_COMMIT as a
 # literal hash computed here: on the device `git rev-parse` reads a stale .git (calls 71-73).
 run() {  # name seconds command...
   local name=$1 secs=$2; shift 2
