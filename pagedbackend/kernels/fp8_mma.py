@@ -87,6 +87,12 @@ def _fp8_mma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                  y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+def rows_tile(m: int) -> int:
+    """BLOCK_M for m rows: the next power of two, 16 at least (the tensor-core instruction's
+    narrowest side). Also the tuner's rows bucket: 1-16 rows run the same kernels."""
+    return max(16, triton.next_power_of_2(m))
+
+
 def fp8_mma_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                  bias: torch.Tensor | None, dtype: torch.dtype, config: tuple) -> torch.Tensor:
     """(xq * sx) @ (wq * w_scale[:, None]).T (+ bias) -> [M, N] in dtype, xq [M <= 64, K]
@@ -101,7 +107,7 @@ def fp8_mma_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, w_scale: 
         f"{block_k * ksplit}, not {m} rows, K {k}"
     y = torch.empty((m, n), dtype=dtype, device=xq.device)
     tiles = triton.cdiv(n, block_n)
-    block_m = max(16, triton.next_power_of_2(m))
+    block_m = rows_tile(m)
     ws, counts = _split_k_buffers(xq.device, ksplit * block_m * n, tiles) if ksplit > 1 \
         else (y, y)
     _fp8_mma_kernel[(tiles, ksplit)](
@@ -113,7 +119,7 @@ def fp8_mma_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, w_scale: 
     return y
 
 
-# (device, rows bucket, N, K, out dtype) -> the tile, or None: torch._scaled_mm
+# (device, BLOCK_M, N, K, out dtype) -> the tile, or None: torch._scaled_mm
 _CHOICE: dict[tuple, tuple | None] = {}
 
 
@@ -127,7 +133,7 @@ def maybe_fp8_mma_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor,
     if not ENABLED or not xq.is_cuda or m > MAX_MMA_ROWS or xq.stride(1) != 1 \
             or not wq.is_contiguous():
         return None
-    key = (xq.device.index, triton.next_power_of_2(m), *wq.shape, dtype)
+    key = (xq.device.index, rows_tile(m), *wq.shape, dtype)
     if key not in _CHOICE:
         if torch.cuda.is_current_stream_capturing():
             return None
@@ -140,7 +146,7 @@ def _tune(xq, sx, wq, w_scale, bias, dtype) -> tuple | None:
     from pagedbackend.kernels.gemv_tuning import MARGIN, _pattern, _time_us, time_tiles
     from pagedbackend.kernels.quant import quantize_rows_fp8
     from pagedbackend.layers.quantization import fp8_gemm_cublas
-    rows = triton.next_power_of_2(xq.shape[0])
+    rows = rows_tile(xq.shape[0])
     n, k = wq.shape
     xs, ss = quantize_rows_fp8(_pattern(rows, k, 0.0, torch.bfloat16, xq.device))
     baseline = lambda: fp8_gemm_cublas(xs, ss, wq, w_scale, bias, dtype)     # noqa: E731

@@ -413,26 +413,22 @@ DEQUANT_PAIRS_TILE = (64, 128, 4)
 @triton.jit
 def _dequant_pairs_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """4-bit codes -> 16-bit weights, one 32-bit word (two weights) per code byte: each nibble
-    OR-ed into 2^23's mantissa (no int-to-float conversion, as _nibbles_piece), (q - z) * s in
-    fp32 rounded once to the output's type, the pair packed low-first and stored as a word
+    """4-bit codes -> 16-bit weights, one 32-bit word (two weights) per code byte: the exact
+    q - z of the low and high nibbles from _nibbles_piece (no int-to-float conversion), times s
+    in fp32, rounded once to the output's type, the pair packed low-first and stored as a word
     (no interleaving of the two halves in registers)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     k0 = tl.program_id(1) * BLOCK_K
-    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    b = tl.load(q_ptr + n.to(tl.int64)[:, None] * (K // 2) + kb[None, :], mask=n_ok[:, None],
-                other=0, eviction_policy="evict_first").to(tl.int32)
-    g = k0 // GROUP
-    s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    z = tl.load(z_ptr + g * N + n, mask=n_ok, other=0).to(tl.float32)[:, None] + MAGIC
-    lo = (((b & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True) - z) * s
-    hi = ((((b >> 4) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True) - z) * s
+    word_rows = n.to(tl.int64)[:, None] * (K // 2)      # a code byte and its output word
+    lo, hi, s = _nibbles_piece(q_ptr + word_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP, BLOCK_N,
+                               BLOCK_K)
     dt = w_ptr.dtype.element_ty
-    lo16 = lo.to(dt).to(tl.uint16, bitcast=True).to(tl.uint32)
-    hi16 = hi.to(dt).to(tl.uint16, bitcast=True).to(tl.uint32)
-    tl.store(w_ptr.to(tl.pointer_type(tl.uint32)) + n.to(tl.int64)[:, None] * (K // 2)
-             + kb[None, :], lo16 | (hi16 << 16), mask=n_ok[:, None])
+    lo16 = (lo * s[:, None]).to(dt).to(tl.uint16, bitcast=True).to(tl.uint32)
+    hi16 = (hi * s[:, None]).to(dt).to(tl.uint16, bitcast=True).to(tl.uint32)
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    tl.store(w_ptr.to(tl.pointer_type(tl.uint32)) + word_rows + kb[None, :],
+             lo16 | (hi16 << 16), mask=n_ok[:, None])
 
 
 def dequantize_packed(pw, dtype: torch.dtype) -> torch.Tensor:
