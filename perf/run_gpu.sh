@@ -9,7 +9,9 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (after H100 calls 74-75, perf/RESULTS.md): on an H200, "dequant fp8mma" (~4 min:
+# Next calls: on an H200, "dmon ahead" (~4 min: the tiles that prefetch later iterations'
+# weights, against the same tiles without), then "w1ahead" (W1 AWQ with and without them), then
+# (after H100 calls 74-75, perf/RESULTS.md) "dequant fp8mma" (~4 min:
 # the W8A8 fp8 tiles at 1-64 rows, W1 fp8 A/B) then "w2awq" (~5 min: AWQ 0.854x bf16 on an
 # H100), then "correctnessw8a8 correctnessawq correctnessgptq", then "servefp8" (~8 min, carry
 # models/dummy/llama-3.1-8b: W4 with fp8 weights, whose ~36-row decode steps at rate 16 now may
@@ -140,6 +142,15 @@ for s in $stages; do
     # W1 with AWQ, fp8 and int8 weights beside bf16 in one process (issues 23 and 27); the
     # engines' tuning takes most of it (330 s ran out at the third engine, H100 call 65)
     w1bytes) run w1bytes 480 python3 perf/w1_decode.py --ab awq,fp8w,int8 ;;
+    # the one-row tiles that ask for later iterations' weights into L2 (gemv_w4.AHEAD_CANDIDATES,
+    # gemv.FP8_AHEAD / INT8_AHEAD_CANDIDATES): their GPU parity (among the split-K and
+    # fp16-pair tiles'), then at llama-3.1-8b's four matmuls each kind's best against the same
+    # tiles without (4-bit, e4m3, int8); ~4 min
+    ahead) run aheadtests 200 python3 -m pytest -q tests/test_quant_kernels.py \
+             tests/test_fp8_kernels.py -k "split_k or byte_half"
+           run aheadbench 240 python3 perf/kernels_bench.py --only w4,bytes ;;
+    # W1 bf16, AWQ, then AWQ tuned without the prefetching tiles, one process; ~4.5 min
+    w1ahead) run w1ahead 400 python3 perf/w1_decode.py --ab awq,noahead ;;
     # the 4-bit dequantization (dequantize + cuBLAS's first half) at the four shapes: the
     # word-pair kernel at a few tiles against the converting one, ~30 s
     dequant) run dequant 90 python3 perf/kernels_bench.py --only dequant ;;
