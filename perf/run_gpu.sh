@@ -151,6 +151,10 @@ for s in $stages; do
            run aheadbench 240 python3 perf/kernels_bench.py --only w4,bytes ;;
     # W1 bf16, AWQ, then AWQ tuned without the prefetching tiles, one process; ~4.5 min
     w1ahead) run w1ahead 400 python3 perf/w1_decode.py --ab awq,noahead ;;
+    # both in one call of < 600 s, without the parity tests (the tuner and the bench check
+    # every tile against the reference before timing it)
+    aheadquick) run aheadbench 200 python3 perf/kernels_bench.py --only w4,bytes
+                run w1ahead 380 python3 perf/w1_decode.py --ab awq,noahead ;;
     # the 4-bit dequantization (dequantize + cuBLAS's first half) at the four shapes: the
     # word-pair kernel at a few tiles against the converting one, ~30 s
     dequant) run dequant 90 python3 perf/kernels_bench.py --only dequant ;;
