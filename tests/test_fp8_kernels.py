@@ -432,3 +432,60 @@ def test_fp8_mma_tiles_compile_for_hopper_to_pipelined_wgmma():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["2", "True", "True", "True", "6", "True", "True", "True"]
+
+
+# compiled in a process of its own (as above); prints each tile's registers a thread (ptxas)
+HOPPER_REGISTERS = """
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import triton
+from triton.backends import nvidia
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagedbackend.kernels import gemv
+kernel = gemv._skinny_kernel
+names = list(inspect.signature(kernel.fn).parameters)
+ptrs = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "s_ptr": "*fp32",
+        "y_ptr": "*bf16", "r_ptr": "*bf16", "r_out_ptr": "*bf16", "g_ptr": "*bf16"}
+cuobjdump = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+for arg in sys.argv[1:]:
+    i, prologue = map(int, arg.split(":"))
+    block_n, block_k, warps, stages, _, widen = gemv.FP8_HALF_CANDIDATES[i]
+    const = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, HAS_SCALE=True,
+                 EVEN_N=True, EVEN_K=True, PROLOGUE=prologue, USE_PDL=True, PREFETCH=True,
+                 USE_DOT=False, PRECISION="tf32", WIDEN=widen, AHEAD=0)
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "eps" else "i32")
+           for n in names}
+    aligned = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
+               if n in ptrs or n.startswith("stride") or n in ("N", "K")}
+    compiled = triton.compile(ASTSource(kernel, sig, const, aligned),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    print(arg, re.search(r"REG:(\\d+)", usage).group(1))
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="compiled for sm_90 on a machine without a GPU")
+def test_byte_half_tiles_keep_the_registers_of_their_main_loop():
+    """The overflow fallback (_skinny_row_fp32) runs rarely but its registers count for the
+    whole kernel: compiled for sm_90 the fp16-pair e4m3 tiles, plain and with the SiLU·mul
+    prologue, use at most 64 registers a thread (their main loop's), where a fallback holding a
+    [BLOCK_N, BLOCK_K] fp32 accumulator made it 119-127, half the programs a SM can hold."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", HOPPER_REGISTERS, "3:0", "3:3", "2:3"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    regs = dict(zip(out.stdout.split()[::2], map(int, out.stdout.split()[1::2])))
+    assert set(regs) == {"3:0", "3:3", "2:3"} and max(regs.values()) <= 64, regs

@@ -328,15 +328,18 @@ def _skinny_row_fp32(x_rows, r_rows, r_out_rows, g_ptr, w_rows, kk, store_ok, m_
                      PROLOGUE: tl.constexpr):
     """One row's sums with fp32 products of the one-byte weights (triton's conversion),
     [1, BLOCK_N]: the fp16-pair tiles' way out of an overflow. The prologue runs again as it
-    ran (the residual sum it stores is the same)."""
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    ran (the residual sum it stores is the same). Each iteration's products are summed at once
+    into [BLOCK_N] sums: a [BLOCK_N, BLOCK_K] fp32 accumulator (64 registers a thread at
+    8 x 1,024 over 4 warps) set the whole kernel's register count for this rarely taken path,
+    121 instead of 64 compiled for sm_90, and so halved the programs a SM holds."""
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
         x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K, EVEN_K,
                             PROLOGUE)
         w = tl.load(w_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0)
-        acc += tl.sum(x, axis=0)[None, :] * w.to(tl.float32)
-    return tl.sum(acc, axis=1)[None, :]
+        acc += tl.sum(tl.sum(x, axis=0)[None, :] * w.to(tl.float32), axis=1)
+    return acc[None, :]
 
 
 def byte_half_fits(config: tuple, k: int) -> bool:
