@@ -151,6 +151,10 @@ for s in $stages; do
            run aheadbench 240 python3 perf/kernels_bench.py --only w4,bytes ;;
     # W1 bf16, AWQ, then AWQ tuned without the prefetching tiles, one process; ~4.5 min
     w1ahead) run w1ahead 400 python3 perf/w1_decode.py --ab awq,noahead ;;
+    # W1 with fp8 weights, then tuned without the prefetching tiles (the fp16-pair tiles at
+    # 64 registers a thread since db1e338, 119-127 before), one process; ~3.5 min
+    w1fp8ahead) run w1fp8ahead 300 python3 perf/w1_decode.py --quantization fp8 --suffix fp8 \
+                  --ab noahead ;;
     # both in one call of < 600 s, without the parity tests (the tuner and the bench check
     # every tile against the reference before timing it)
     aheadquick) run aheadbench 200 python3 perf/kernels_bench.py --only w4,bytes
