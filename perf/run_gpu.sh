@@ -9,8 +9,9 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls: on an H200, "dmon ahead" (~4 min: the tiles that prefetch later iterations'
-# weights, against the same tiles without), then "w1ahead" (W1 AWQ with and without them), then
+# Next calls: on an H200, "dmon aheadw1" (~6 min: the tiles that prefetch later iterations'
+# weights against the same tiles without; W1 bf16 / AWQ / fp8 / int8), then "w1ahead" and
+# "w1fp8ahead" (W1 with and without them), "ahead" (their parity tests), then
 # (after H100 calls 74-75, perf/RESULTS.md) "dequant fp8mma" (~4 min:
 # the W8A8 fp8 tiles at 1-64 rows, W1 fp8 A/B) then "w2awq" (~5 min: AWQ 0.854x bf16 on an
 # H100), then "correctnessw8a8 correctnessawq correctnessgptq", then "servefp8" (~8 min, carry
@@ -155,6 +156,11 @@ for s in $stages; do
     # 64 registers a thread since db1e338, 119-127 before), one process; ~3.5 min
     w1fp8ahead) run w1fp8ahead 300 python3 perf/w1_decode.py --quantization fp8 --suffix fp8 \
                   --ab noahead ;;
+    # the bench, then W1 bf16, AWQ, fp8 and int8 weights in one process (the three quantized
+    # goals of issues 23 and 27 with the prefetching tiles and the 64-register fp16-pair tiles;
+    # 4 engines took 264 s in H200 call 72); < 600 s
+    aheadw1) run aheadbench 160 python3 perf/kernels_bench.py --only w4,bytes
+             run w1bytes 420 python3 perf/w1_decode.py --ab awq,fp8w,int8 ;;
     # both in one call of < 600 s, without the parity tests (the tuner and the bench check
     # every tile against the reference before timing it)
     aheadquick) run aheadbench 200 python3 perf/kernels_bench.py --only w4,bytes
