@@ -161,6 +161,9 @@ for s in $stages; do
     # 4 engines took 264 s in H200 call 72); < 600 s
     aheadw1) run aheadbench 160 python3 perf/kernels_bench.py --only w4,bytes
              run w1bytes 420 python3 perf/w1_decode.py --ab awq,fp8w,int8 ;;
+    # the same with W1 bf16, fp8 and int8 only (the fp16-pair tiles' register fix); ~5 min
+    aheadsmall) run aheadbench 160 python3 perf/kernels_bench.py --only w4,bytes
+                run w1bytes 300 python3 perf/w1_decode.py --ab fp8w,int8 ;;
     # both in one call of < 600 s, without the parity tests (the tuner and the bench check
     # every tile against the reference before timing it)
     aheadquick) run aheadbench 200 python3 perf/kernels_bench.py --only w4,bytes
