@@ -90,8 +90,7 @@ def result_model(model: str, label: str) -> tuple[str, str]:
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
            "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, blaslt, ropekernel, "
            "oldtiles, eagerprefill, decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, "
-           "fp8oldtiles, fp8w8a8, awq, gptq, int8, noahead, pagedkv, nopdl, cublas; default "
-           "runs the "
+           "fp8oldtiles, fp8w8a8, awq, gptq, int8, pagedkv, nopdl, cublas; default runs the "
            "default again (perf/common.run_variants)")
 
 
@@ -115,10 +114,7 @@ def run_variants(names: str, make_llm, body) -> None:
     without the one-row fp8 tiles that widen e4m3 with integer ops, gemv.FP8_WIDEN_CANDIDATES;
     its choices are forgotten so the next engine tunes again, as after a later "default"),
     fp8w8a8 (fp8 weights' decode steps quantize their input and run the tensor-core FP8 GEMM
-    of kernels/fp8_mma.py instead of the W8A16 tiles: fp8_mma.W8A8_DECODE), noahead (the
-    tuners without the one-row tiles that prefetch later iterations' weights into L2,
-    gemv_w4.AHEAD_CANDIDATES for 4-bit codes, gemv.FP8_AHEAD / INT8_AHEAD_CANDIDATES for
-    one-byte weights; their choices forgotten, as for fp8oldtiles),
+    of kernels/fp8_mma.py instead of the W8A16 tiles: fp8_mma.W8A8_DECODE),
     awq / gptq / int8 (make_llm(quantization=...): dummy 4-bit AWQ / GPTQ codes generated on
     the device, or int8 weights; one weight kind at a time, a later one replaces an earlier one
     or fp8w),
@@ -144,12 +140,11 @@ def run_variants(names: str, make_llm, body) -> None:
         if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "blaslt", "ropekernel",
                               "eagerprefill", "oldtiles", "decode3", "gridorder", "fp8kv",
                               "fp8n64", "weights", "fp8nofuse", "fp8oldtiles", "pagedkv",
-                              "fp8w8a8", "noahead", "default"):
+                              "fp8w8a8", "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, "
                              "mbt<N>, blaslt, ropekernel, eagerprefill, oldtiles, "
                              "decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, fp8oldtiles, "
-                             "fp8w8a8, awq, gptq, int8, noahead, pagedkv, nopdl, cublas or "
-                             "default")
+                             "fp8w8a8, awq, gptq, int8, pagedkv, nopdl, cublas or default")
     steps, active, again = [("default", None)], [], 0
     for v in variants:
         if v == "default":      # later re-runs numbered: labels name the result files
@@ -166,8 +161,6 @@ def run_variants(names: str, make_llm, body) -> None:
             from pagedbackend.layers import fp8_inputs
         if "fp8w8a8" in variants:
             from pagedbackend.kernels import fp8_mma
-        if "noahead" in variants:
-            from pagedbackend.kernels import gemv_w4_tuning
         switches = ((common, "PDL_ENABLED"), (gemv_tuning, "ENABLED"),
                     (decode, "ROPE_IN_DECODE"), (decode, "LONGEST_FIRST"),
                     (cuda_graph, "PREFILL_GRAPHS"), (prefill, "prefill_config"),
@@ -176,9 +169,7 @@ def run_variants(names: str, make_llm, body) -> None:
                     (prefill, "CONTIG_KV")) \
             + (((fp8_inputs, "FUSED_QUANT"),) if "fp8nofuse" in variants else ()) \
             + (((gemv_tuning, "FP8_WIDEN_CANDIDATES"),) if "fp8oldtiles" in variants else ()) \
-            + (((fp8_mma, "W8A8_DECODE"),) if "fp8w8a8" in variants else ()) \
-            + (((gemv_w4_tuning, "AHEAD_CANDIDATES"), (gemv_tuning, "FP8_AHEAD_CANDIDATES"),
-                (gemv_tuning, "INT8_AHEAD_CANDIDATES")) if "noahead" in variants else ())
+            + (((fp8_mma, "W8A8_DECODE"),) if "fp8w8a8" in variants else ())
         initial = [getattr(mod, name) for mod, name in switches]
     blas = torch.backends.cuda.preferred_blas_library()
     overrides = {}
@@ -188,10 +179,6 @@ def run_variants(names: str, make_llm, body) -> None:
                 setattr(mod, name, value)
             if "fp8oldtiles" in variants:       # tile choices made without the new tiles
                 gemv_tuning._CHOICE.clear()
-            if "noahead" in variants:
-                gemv_tuning._CHOICE.clear()
-                gemv_w4_tuning._CHOICE.clear()
-                gemv_w4_tuning._RANKED.clear()
             torch.backends.cuda.preferred_blas_library(blas)
             overrides = {}
         elif switch == "blaslt":
@@ -225,12 +212,6 @@ def run_variants(names: str, make_llm, body) -> None:
         elif switch == "fp8oldtiles":
             gemv_tuning.FP8_WIDEN_CANDIDATES = ()
             gemv_tuning._CHOICE.clear()
-        elif switch == "noahead":
-            gemv_w4_tuning.AHEAD_CANDIDATES = ()
-            gemv_tuning.FP8_AHEAD_CANDIDATES = gemv_tuning.INT8_AHEAD_CANDIDATES = ()
-            gemv_tuning._CHOICE.clear()
-            gemv_w4_tuning._CHOICE.clear()
-            gemv_w4_tuning._RANKED.clear()
         elif switch == "decode3":
             new_decode = decode.decode_config
             decode.decode_config = lambda d, *kv: {**new_decode(d, *kv), "num_stages": 3}

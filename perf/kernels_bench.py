@@ -290,10 +290,9 @@ def bench_w4():
     first) against dequantize + cuBLAS and against bf16 cuBLAS on a 16-bit weight of the same
     shape. Graph-timed with the L2 flushed, as the tuner times. Then every one-row tile without a
     prologue: the best of the nibble-split and fp16-pair tiles (gemv_w4.SPLIT_CANDIDATES,
-    HALF_CANDIDATES), the best split-K tile (KSPLIT_CANDIDATES) and the best of the same HALF
-    tiles asking for later iterations' codes into L2 (AHEAD_CANDIDATES; these two kinds each
-    checked against the dequantized weight), per shape in a table of its own. TB/s: the
-    codes', scales' and zeros' bytes."""
+    HALF_CANDIDATES) against the best split-K tile (KSPLIT_CANDIDATES, each checked against the
+    dequantized weight), per shape in a table of its own. TB/s: the codes', scales' and zeros'
+    bytes."""
     from pagedbackend.kernels import gemv, gemv_w4, gemv_w4_tuning
     from pagedbackend.kernels.gemv_tuning import _time_us
     from pagedbackend.layers.activation import silu_and_mul
@@ -318,9 +317,7 @@ def bench_w4():
         whole = min(_best_tile(gemv_w4.SPLIT_CANDIDATES, run),
                     _best_tile(gemv_w4.HALF_CANDIDATES, run), key=lambda t: t[0])
         best = [whole, _best_tile([c for c in gemv_w4.KSPLIT_CANDIDATES
-                                   if k % (c[6] * 128) == 0], run, ref, "w4", tbs),
-                _best_tile([c for c in gemv_w4.AHEAD_CANDIDATES if k % (c[6] * 128) == 0], run,
-                           ref, "w4", tbs)]
+                                   if k % (c[6] * 128) == 0], run, ref, "w4", tbs)]
         split_table.append((f"{name} N={n} K={k}", *best))
         row(f"w4 {name} 1-row split-K {best[1][1]} vs whole K {best[0][1]}", best[1][0] / 1e3,
             best[0][0] / 1e3, tbs(best[1][0]))
@@ -343,11 +340,10 @@ def bench_w4():
         row(f"w4 {name} prologue: fused {'chosen' if chosen else 'not chosen'} vs separate",
             tf / 1e3, _time_us(sep) / 1e3, tbs(tf) if chosen else "")
     print("\n| shape (1 row, group 128) | best whole-K tile us | best split-K tile us "
-          "| best prefetching tile us | best of the first two / prefetching |"
-          "\n|---|---:|---:|---:|---:|")
-    for shape, (old_us, old_cfg), (new_us, new_cfg), (pf_us, pf_cfg) in split_table:
+          "| whole / split-K |\n|---|---:|---:|---:|")
+    for shape, (old_us, old_cfg), (new_us, new_cfg) in split_table:
         print(f"| {shape} | {old_us:.1f} {old_cfg} | {new_us:.1f} {new_cfg} | "
-              f"{pf_us:.1f} {pf_cfg} | {min(old_us, new_us) / pf_us:.2f}x |")
+              f"{old_us / new_us:.2f}x |")
 
 
 def bench_w4_wide():
@@ -423,16 +419,13 @@ def bench_bytes():
     """One-byte weights (fp8 e4m3, int8) at one row, llama-3.1-8b's four matmuls, no prologue:
     the best of the skinny kernel's fp32 tiles (CANDIDATES, FP8_CANDIDATES, e4m3's
     FP8_WIDEN_CANDIDATES) against the best fp16-pair tile (FP8_HALF_CANDIDATES /
-    INT8_HALF_CANDIDATES) and the best of those asking for later iterations' weights into L2
-    (FP8_AHEAD_CANDIDATES / INT8_AHEAD_CANDIDATES), each checked against x @ dequantized W in
-    fp32 (a tile off by more than 1e-2 is skipped). TB/s: the weights' bytes."""
+    INT8_HALF_CANDIDATES), each checked against x @ dequantized W in fp32 (a tile off by more
+    than 1e-2 is skipped). TB/s: the weights' bytes."""
     from pagedbackend.kernels import gemv
     from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
     table = []
-    for wname, quant, half, ahead in (
-            ("e4m3", quantize_weight_fp8, gemv.FP8_HALF_CANDIDATES, gemv.FP8_AHEAD_CANDIDATES),
-            ("int8", quantize_weight_int8, gemv.INT8_HALF_CANDIDATES,
-             gemv.INT8_AHEAD_CANDIDATES)):
+    for wname, quant, half in (("e4m3", quantize_weight_fp8, gemv.FP8_HALF_CANDIDATES),
+                               ("int8", quantize_weight_int8, gemv.INT8_HALF_CANDIDATES)):
         plain = gemv.CANDIDATES + gemv.FP8_CANDIDATES[:4] \
             + (gemv.FP8_WIDEN_CANDIDATES if wname == "e4m3" else ())
         for name, n, k in LLAMA_MATMULS:
@@ -443,15 +436,13 @@ def bench_bytes():
                 return gemv.skinny_linear(x, wq, None, cfg, weight_scale=sc)
 
             best = [_best_tile(tiles, run, ref, f"{wname} {name}")
-                    for tiles in (plain, half, ahead)]
+                    for tiles in (plain, half)]
             table.append((f"{wname} {name} N={n} K={k}", n * k, *best))
     print("\n| weights, shape (1 row) | best fp32 tile us | best fp16-pair tile us | fp32 / pair |"
-          " pair TB/s | best prefetching pair tile us | pair / prefetching | its TB/s |"
-          "\n|---|---:|---:|---:|---:|---:|---:|---:|")
-    for shape, nbytes, (a_us, a_cfg), (b_us, b_cfg), (c_us, c_cfg) in table:
+          " pair TB/s |\n|---|---:|---:|---:|---:|")
+    for shape, nbytes, (a_us, a_cfg), (b_us, b_cfg) in table:
         print(f"| {shape} | {a_us:.1f} {a_cfg} | {b_us:.1f} {b_cfg} | {a_us / b_us:.2f}x | "
-              f"{nbytes / (b_us * 1e-6) / 1e12:.2f} | {c_us:.1f} {c_cfg} | {b_us / c_us:.2f}x | "
-              f"{nbytes / (c_us * 1e-6) / 1e12:.2f} |")
+              f"{nbytes / (b_us * 1e-6) / 1e12:.2f} |")
 
 
 def bench_fp8mma():

@@ -9,9 +9,8 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls: on an H200, "dmon aheadw1" (~6 min: the tiles that prefetch later iterations'
-# weights against the same tiles without; W1 bf16 / AWQ / fp8 / int8), then "w1ahead" and
-# "w1fp8ahead" (W1 with and without them), "ahead" (their parity tests), then
+# Next calls: on an H200, "dmon w1pairs" (~5 min: W1 fp8 / int8 with the fp16-pair tiles at
+# 64 registers), then
 # (after H100 calls 74-75, perf/RESULTS.md) "dequant fp8mma" (~4 min:
 # the W8A8 fp8 tiles at 1-64 rows, W1 fp8 A/B) then "w2awq" (~5 min: AWQ 0.854x bf16 on an
 # H100), then "correctnessw8a8 correctnessawq correctnessgptq", then "servefp8" (~8 min, carry
@@ -143,31 +142,11 @@ for s in $stages; do
     # W1 with AWQ, fp8 and int8 weights beside bf16 in one process (issues 23 and 27); the
     # engines' tuning takes most of it (330 s ran out at the third engine, H100 call 65)
     w1bytes) run w1bytes 480 python3 perf/w1_decode.py --ab awq,fp8w,int8 ;;
-    # the one-row tiles that ask for later iterations' weights into L2 (gemv_w4.AHEAD_CANDIDATES,
-    # gemv.FP8_AHEAD / INT8_AHEAD_CANDIDATES): their GPU parity (among the split-K and
-    # fp16-pair tiles'), then at llama-3.1-8b's four matmuls each kind's best against the same
-    # tiles without (4-bit, e4m3, int8); ~4 min
-    ahead) run aheadtests 200 python3 -m pytest -q tests/test_quant_kernels.py \
-             tests/test_fp8_kernels.py -k "split_k or byte_half"
-           run aheadbench 240 python3 perf/kernels_bench.py --only w4,bytes ;;
-    # W1 bf16, AWQ, then AWQ tuned without the prefetching tiles, one process; ~4.5 min
-    w1ahead) run w1ahead 400 python3 perf/w1_decode.py --ab awq,noahead ;;
-    # W1 with fp8 weights, then tuned without the prefetching tiles (the fp16-pair tiles at
-    # 64 registers a thread since db1e338, 119-127 before), one process; ~3.5 min
-    w1fp8ahead) run w1fp8ahead 300 python3 perf/w1_decode.py --quantization fp8 --suffix fp8 \
-                  --ab noahead ;;
-    # the bench, then W1 bf16, AWQ, fp8 and int8 weights in one process (the three quantized
-    # goals of issues 23 and 27 with the prefetching tiles and the 64-register fp16-pair tiles;
-    # 4 engines took 264 s in H200 call 72); < 600 s
-    aheadw1) run aheadbench 160 python3 perf/kernels_bench.py --only w4,bytes
-             run w1bytes 420 python3 perf/w1_decode.py --ab awq,fp8w,int8 ;;
-    # the same with W1 bf16, fp8 and int8 only (the fp16-pair tiles' register fix); ~5 min
-    aheadsmall) run aheadbench 160 python3 perf/kernels_bench.py --only w4,bytes
-                run w1bytes 300 python3 perf/w1_decode.py --ab fp8w,int8 ;;
-    # both in one call of < 600 s, without the parity tests (the tuner and the bench check
-    # every tile against the reference before timing it)
-    aheadquick) run aheadbench 200 python3 perf/kernels_bench.py --only w4,bytes
-                run w1ahead 380 python3 perf/w1_decode.py --ab awq,noahead ;;
+    # the fp16-pair one-byte tiles at 64 registers a thread (db1e338; 119-127 before): their
+    # bench (on an H100, call 76, no change: gate|up reads at 80% of its HBM there), then W1
+    # bf16, fp8 and int8 in one process (the H200 read them at 2.5 TB/s of 4.8, call 72); ~5 min
+    w1pairs) run bytesbench 120 python3 perf/kernels_bench.py --only bytes
+             run w1bytes 300 python3 perf/w1_decode.py --ab fp8w,int8 ;;
     # the 4-bit dequantization (dequantize + cuBLAS's first half) at the four shapes: the
     # word-pair kernel at a few tiles against the converting one, ~30 s
     dequant) run dequant 90 python3 perf/kernels_bench.py --only dequant ;;

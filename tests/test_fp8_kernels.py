@@ -208,7 +208,6 @@ def test_tuner_tries_the_widening_tiles_at_one_row_only(monkeypatch):
     """With fp8 weights the tuner times the integer-widening tiles at one row (and may choose
     one), never at more rows; tiles are timed in their fused form as the others."""
     from pagedbackend.kernels import gemv, gemv_tuning
-    from pagedbackend.kernels.common import pdl_active
     from pagedbackend.layers.quantization import quantize_weight_fp8
     wq, s = quantize_weight_fp8(torch.randn(24, 64, device=DEV) / 8)
     favourite = gemv.FP8_WIDEN_CANDIDATES[1]
@@ -226,7 +225,7 @@ def test_tuner_tries_the_widening_tiles_at_one_row_only(monkeypatch):
         widening = [c for c in timed if c is not None and len(c) > 5]
         if rows == 1:
             assert choice == favourite and set(widening) == set(gemv.FP8_WIDEN_CANDIDATES) \
-                | set(gemv_tuning.byte_half_tiles(1, wq, s, x.dtype, pdl_active(x.device)))
+                | set(gemv_tuning.byte_half_tiles(1, wq, s, x.dtype))
         else:
             assert choice != favourite and not widening
 
@@ -236,17 +235,15 @@ def test_tuner_tries_the_widening_tiles_at_one_row_only(monkeypatch):
 def test_skinny_byte_half_tiles_follow_the_fp32_tile(prologue, wdtype):
     """The fp16-pair one-row tiles (WIDEN 3 e4m3, 4 int8) against the same tile in fp32 (triton's
     conversion, WIDEN 0): on the GPU their PTX (fp16 products, chains of four) within 5e-3
-    relative, with no inf or NaN for inputs up to 3e4, the tiles that prefetch later
-    iterations' weights (FP8_AHEAD / INT8_AHEAD, Hopper) too; on the CPU the interpreter's
-    stand-in (products rounded to fp16) within the same bound."""
+    relative, with no inf or NaN for inputs up to 3e4; on the CPU the interpreter's stand-in
+    (products rounded to fp16) within the same bound."""
     from pagedbackend.kernels import gemv, gemv_tuning
-    from pagedbackend.kernels.common import pdl_active
     from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
     n, k = (4096, 4096) if CUDA else (40, 256)
     w = torch.randn(n, k, device=DEV) / k ** 0.5
     wq, s = (quantize_weight_fp8 if wdtype == "e4m3" else quantize_weight_int8)(w)
     dt = torch.bfloat16
-    tiles = gemv_tuning.byte_half_tiles(1, wq, s, dt, pdl_active(wq.device))
+    tiles = gemv_tuning.byte_half_tiles(1, wq, s, dt)
     assert tiles and all(c[5] == (3 if wdtype == "e4m3" else 4) for c in tiles)
     tiles = tiles if CUDA else tiles[:2]
     for big in (False, True):
@@ -280,13 +277,6 @@ def test_byte_half_tiles_are_one_row_of_one_byte_weights():
                            half, weight_scale=s)
     assert set(gemv_tuning.byte_half_tiles(1, wi, si, torch.bfloat16)) <= set(
         gemv.INT8_HALF_CANDIDATES)
-    # the prefetching forms where they prefetch (ahead: Hopper), each of its weights' kind
-    assert set(gemv_tuning.byte_half_tiles(1, wi, si, torch.bfloat16, ahead=True)) <= set(
-        gemv.INT8_HALF_CANDIDATES + gemv.INT8_AHEAD_CANDIDATES)
-    wk, sk = quantize_weight_fp8(torch.randn(32, 4096, device=DEV))
-    assert set(gemv.FP8_AHEAD_CANDIDATES) <= set(gemv_tuning.byte_half_tiles(
-        1, wk, sk, torch.bfloat16, ahead=True)) - set(gemv_tuning.byte_half_tiles(
-            1, wk, sk, torch.bfloat16))
     assert not gemv_tuning.byte_half_tiles(2, wq, s, torch.bfloat16)
     assert not gemv_tuning.byte_half_tiles(1, wq, s, torch.float32)
     assert not gemv_tuning.byte_half_tiles(1, wq, None, torch.bfloat16)
@@ -457,7 +447,7 @@ for arg in sys.argv[1:]:
     block_n, block_k, warps, stages, _, widen = gemv.FP8_HALF_CANDIDATES[i]
     const = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, HAS_SCALE=True,
                  EVEN_N=True, EVEN_K=True, PROLOGUE=prologue, USE_PDL=True, PREFETCH=True,
-                 USE_DOT=False, PRECISION="tf32", WIDEN=widen, AHEAD=0)
+                 USE_DOT=False, PRECISION="tf32", WIDEN=widen)
     sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "eps" else "i32")
            for n in names}
     aligned = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)

@@ -189,34 +189,3 @@ def test_fp8oldtiles_tunes_again_without_the_widening_tiles(perf_module):
     assert start and [(label, n, "default" in c or "fp8oldtiles" in c) for label, n, c in seen] \
         == [("default", len(start), False), ("fp8oldtiles", 0, False),
             ("default-again", len(start), False)]
-
-
-def test_noahead_tunes_the_4_bit_matmuls_again_without_the_prefetching_tiles(perf_module):
-    from pagedbackend.kernels import gemv_tuning, gemv_w4_tuning
-    perf = perf_module("common")
-    start = (gemv_w4_tuning.AHEAD_CANDIDATES, gemv_tuning.FP8_AHEAD_CANDIDATES,
-             gemv_tuning.INT8_AHEAD_CANDIDATES)
-    choices = (gemv_tuning._CHOICE, gemv_w4_tuning._CHOICE, gemv_w4_tuning._RANKED)
-    seen = []
-
-    def body(llm, label):
-        sets = (gemv_w4_tuning.AHEAD_CANDIDATES, gemv_tuning.FP8_AHEAD_CANDIDATES,
-                gemv_tuning.INT8_AHEAD_CANDIDATES)
-        seen.append((label, llm.overrides, [len(c) for c in sets],
-                     set().union(*(set(c) for c in choices))))
-        for c in choices:       # as if this engine had tuned a shape
-            c[label] = None
-    try:
-        perf.run_variants("awq,noahead,default", FakeLLM, body)
-    finally:
-        (gemv_w4_tuning.AHEAD_CANDIDATES, gemv_tuning.FP8_AHEAD_CANDIDATES,
-         gemv_tuning.INT8_AHEAD_CANDIDATES) = start
-        for label in ("default", "awq", "awq-noahead", "default-again"):
-            for c in choices:
-                c.pop(label, None)
-    awq, full = {"quantization": "awq"}, [len(c) for c in start]
-    # the engine after a switch of the tile sets, and after "default", tunes from nothing
-    assert all(full) and seen == [("default", {}, full, set()),
-                                  ("awq", awq, full, {"default"}),
-                                  ("awq-noahead", awq, [0, 0, 0], set()),
-                                  ("default-again", {}, full, set())]

@@ -146,17 +146,14 @@ def test_half_tiles_are_one_16_bit_row_with_8_bytes_a_thread():
 
 @pytest.mark.parametrize("cfg", [(64, 256, 4, 3, False, 2, 4), (16, 128, 2, 3, False, 2, 2),
                                  (16, 1024, 4, 3, False, True, 2), (8, 128, 2, 3, False, True, 4),
-                                 (16, 64, 2, 4, False, 0, 2), (64, 256, 4, 3, False, 2, 4, 2),
-                                 (64, 512, 4, 3, False, 2, 1, 2)],
-                         ids=["half4", "half2_loop", "split2", "split4_loop", "byte2",
-                              "half4_ahead2", "half1_ahead2"])
+                                 (16, 64, 2, 4, False, 0, 2)],
+                         ids=["half4", "half2_loop", "split2", "split4_loop", "byte2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_split_k_tiles_match_dequantize_then_matmul(cfg, dtype):
     """K split over programs whose last adds the fp32 sums: one row, with and without a bias,
     as the tiles without a split are compared (fp32 1e-5, 16-bit 1e-2); the same bits on a
     second launch (the count of finished splits went back to 0, the sum's order is fixed) and
-    after a launch of another shape (the workspace is shared). The AHEAD tiles prefetch a
-    later iteration's codes on the GPU (here past the last iteration too, which they skip)."""
+    after a launch of another shape (the workspace is shared)."""
     if cfg[5] == 2 and dtype == torch.float32:
         pytest.skip("HALF tiles take a 16-bit row")
     n, k = (6144, 4096) if CUDA else (80, 512)      # N not a multiple of every BLOCK_N
@@ -169,9 +166,8 @@ def test_split_k_tiles_match_dequantize_then_matmul(cfg, dtype):
         other = packed_weight(2 * n, k, 4, group)
         gemv_w4.packed_gemv(x, other, None, cfg)
         assert torch.equal(gemv_w4.packed_gemv(x, pw, b, cfg), y)
-    if cfg[6] > 1:
-        _, counts = gemv_w4._SPLIT_K[x.device]
-        assert not counts.any(), "a tile's count of finished splits was left behind"
+    _, counts = gemv_w4._SPLIT_K[x.device]
+    assert not counts.any(), "a tile's count of finished splits was left behind"
 
 
 def test_split_k_tiles_are_one_plain_row_of_whole_groups():
@@ -195,73 +191,6 @@ def test_split_k_tiles_are_one_plain_row_of_whole_groups():
     fp32 = {c for c in gemv_w4.KSPLIT_CANDIDATES if c[6] <= 4} & set(
         tuning._tiles(1, pw, torch.float32))
     assert fp32 and all(c[5] is True for c in fp32)
-
-
-def test_prefetching_tiles_are_tried_only_where_they_prefetch():
-    """AHEAD_CANDIDATES are the HALF tiles again plus a prefetch that needs Hopper: the tuner
-    tries them there (ahead) and not elsewhere, with the same filters as the tiles they
-    extend (whole groups per split, a 16-bit row)."""
-    tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
-    pw = packed_weight(64, 4096, 4, 128)
-    with_ahead = set(tuning._tiles(1, pw, torch.bfloat16, ahead=True))
-    assert set(gemv_w4.AHEAD_CANDIDATES) <= with_ahead
-    assert with_ahead - set(gemv_w4.AHEAD_CANDIDATES) == set(tuning._tiles(1, pw))
-    assert not set(gemv_w4.AHEAD_CANDIDATES) & (set(tuning._tiles(1, pw, torch.float32, True))
-                                                | set(tuning._tiles(2, pw, ahead=True)))
-    # K 512 of group 128: 4 groups, so no split of 8
-    small = set(tuning._tiles(1, packed_weight(64, 512, 4, 128), ahead=True))
-    assert {c for c in gemv_w4.AHEAD_CANDIDATES if c[6] <= 4} <= small
-    assert not {c for c in gemv_w4.AHEAD_CANDIDATES if c[6] == 8} & small
-
-
-# compiled in a process of its own: this one may run triton's interpreter (kernel_env)
-HOPPER_AHEAD = """
-import inspect
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from pagedbackend.kernels import gemv_w4
-kernel = gemv_w4._packed_gemv_kernel
-names = list(inspect.signature(kernel.fn).parameters)
-ptrs = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*bf16", "z_ptr": "*u8", "b_ptr": "*bf16",
-        "y_ptr": "*bf16", "r_ptr": "*bf16", "r_out_ptr": "*bf16", "g_ptr": "*bf16",
-        "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-for arg in sys.argv[1:]:
-    i, ahead = map(int, arg.split(":"))
-    block_n, block_k, warps, stages, _, split, ksplit, _ = gemv_w4.AHEAD_CANDIDATES[i]
-    sub_k, block_k = gemv_w4._tile_k(block_k, 128, 4096 // ksplit)
-    const = dict(GROUP=128, BITS=4, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
-                 HAS_BIAS=False, SPLIT=split, KSPLIT=ksplit, USE_DOT=False, PRECISION="tf32",
-                 PROLOGUE=0, USE_PDL=True, PREFETCH=False, AHEAD=ahead)
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "eps" else "i32")
-           for n in names}
-    aligned = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
-               if n in ptrs or n in ("N", "K")}
-    compiled = triton.compile(ASTSource(kernel, sig, const, aligned),
-                              target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
-    print(arg, compiled.asm["ptx"].count("prefetch.global.L2"))
-"""
-
-
-@pytest.mark.skipif(CUDA, reason="the GPU runs the tiles themselves (splitk stage)")
-def test_prefetching_tiles_compile_for_hopper_with_their_prefetches():
-    """Compiled for sm_90 on this machine: an AHEAD tile's PTX holds its L2 line prefetches,
-    one a thread (64 rows x one 128-byte line, or x two, over 128 threads) at each site: before
-    the loop for iterations 1 .. AHEAD - 1, in the loop for AHEAD on. The same tile without
-    AHEAD has none."""
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # candidate 1: (64, 256) split 8 with AHEAD 2 (128-byte pieces); 11: (64, 512) whole K,
-    # AHEAD 2 (256-byte pieces: two lines a row)
-    assert gemv_w4.AHEAD_CANDIDATES[1][-1] == 2 and gemv_w4.AHEAD_CANDIDATES[11][1] == 512
-    out = subprocess.run([sys.executable, "-c", HOPPER_AHEAD, "1:0", "1:1", "1:2", "11:2"],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["1:0", "0", "1:1", "1", "1:2", "2", "11:2", "2"]
 
 
 def test_block_k_stays_inside_a_group():

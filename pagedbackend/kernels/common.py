@@ -136,26 +136,6 @@ def l2_prefetch(base, nbytes):
         is_pure=False, pack=1)
 
 
-@triton.jit
-def l2_prefetch_lines(line_ptrs):
-    """Ask for the 128-byte line at each pointer of line_ptrs (a tensor of any shape) to come
-    into L2, one prefetch.global.L2 by the thread holding it; returns at once. A kernel's loop
-    calls it for a later iteration's weights: the bytes travel while this one computes,
-    without registers to hold them. (The bulk prefetch of l2_prefetch takes uniform operands:
-    per-thread addresses compiled to a loop over the warp's lanes, ~35% more instructions in
-    gemv_w4's loop.)"""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                              [line_ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def row_lines(row_ptrs, NBYTES: tl.constexpr):
-    """[R, NBYTES / 128] pointers to the 128-byte lines of NBYTES bytes from each of row_ptrs
-    ([R] byte pointers, 128-byte aligned, NBYTES a multiple of 128): for l2_prefetch_lines,
-    one line a thread, not a row's lines all by each of the threads that hold the row."""
-    return row_ptrs[:, None] + (tl.arange(0, NBYTES // 128) * 128)[None, :]
-
-
 # The start of the fp16-pair blocks over eight code bytes of a row ($16, $17: two words):
 # prmt spreads bytes 0,1 (2,3) of each word to bytes 0 and 2 of t0-t3, one pair a register.
 SPREAD_BYTES_PTX = """prmt.b32 t0, $16, 0, 0x4140;

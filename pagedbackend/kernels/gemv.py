@@ -22,9 +22,8 @@ import triton
 import triton.language as tl
 
 from pagedbackend.kernels.common import (INTERPRET, SPREAD_BYTES_PTX, dot_precision,
-                                         l2_prefetch, l2_prefetch_lines, mma,
-                                         pair_sum_into_first, pdl_active, pdl_launch,
-                                         pdl_trigger, pdl_wait, prefetch_programs, row_lines)
+                                         l2_prefetch, mma, pair_sum_into_first, pdl_launch,
+                                         pdl_trigger, pdl_wait, prefetch_programs)
 
 MAX_ROWS = 4
 # (BLOCK_N, BLOCK_K at one row, num_warps, num_stages); BLOCK_K shrinks as rows grow so the
@@ -68,13 +67,6 @@ FP8_HALF_CANDIDATES = ((8, 1024, 4, 3, False, 3), (16, 512, 4, 4, False, 3),
                        (4, 2048, 4, 4, False, 3), (8, 1024, 4, 5, False, 3),
                        (32, 256, 4, 4, False, 3), (16, 1024, 8, 3, False, 3))
 INT8_HALF_CANDIDATES = tuple(c[:5] + (4,) for c in FP8_HALF_CANDIDATES)
-# The same tiles asking for their weights AHEAD iterations early (a seventh element), as
-# gemv_w4.AHEAD_CANDIDATES do: compiled for sm_90 these hold ~120 registers a thread, so ~4
-# programs of 4 warps share a SM with 64 weight bytes a thread loaded at a time (~32 KB a SM in
-# flight), and the fused prologue's barriers stop a program between its loads. Hopper only.
-FP8_AHEAD_CANDIDATES = tuple(c + (a,) for c in ((8, 1024, 4, 5, False, 3),
-                                                (4, 2048, 4, 4, False, 3)) for a in (1, 2))
-INT8_AHEAD_CANDIDATES = tuple(c[:5] + (4, c[6]) for c in FP8_AHEAD_CANDIDATES)
 # (Their split-K forms, K over 2 or 4 programs as gemv_w4's, were tried and removed: 0.76-0.95x
 # the whole-K tile at every llama-3.1-8b shape, H100 call 64.)
 # The tensor-core tiles compute any row count up to this (BLOCK_M = rows rounded up to a power
@@ -228,8 +220,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
                    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
-                   AHEAD: tl.constexpr):
+                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -247,14 +238,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
         if pid < prefetch_programs:
             l2_prefetch(w_ptr + pid * BLOCK_N * stride_wn,
                         BLOCK_N * K * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    # AHEAD: the rows' pieces of iterations 1 .. AHEAD - 1 now, then in the loop those AHEAD
-    # iterations on (rows past N read as row N - 1's)
-    ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    ahead_rows = w_ptr.to(tl.pointer_type(tl.int8)) \
-        + tl.minimum(n, N - 1).to(tl.int64) * stride_wn * ELEM
-    for j in tl.static_range(1, AHEAD):
-        if j * BLOCK_K < K:
-            l2_prefetch_lines(row_lines(ahead_rows + j * BLOCK_K * ELEM, BLOCK_K * ELEM))
     pdl_wait(USE_PDL)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_DOT:          # BLOCK_M >= 16, rows past M zero
@@ -264,10 +247,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, e
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if AHEAD > 0:
-            if k0 + AHEAD * BLOCK_K < K:
-                l2_prefetch_lines(row_lines(ahead_rows + (k0 + AHEAD * BLOCK_K) * ELEM,
-                                            BLOCK_K * ELEM))
         k = k0 + kk
         x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K, EVEN_K,
                             PROLOGUE)
@@ -381,7 +360,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_n, block_k1, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
     widen = dot[1] if len(dot) > 1 else 0
-    ahead = dot[2] if len(dot) > 2 else 0
     assert not widen or not use_dot and (widen < 3 or m == 1) and weight.dtype == (
         torch.int8 if widen == 4 else torch.float8_e4m3fn), \
         f"tile {config} widens {'int8' if widen == 4 else 'e4m3'} weights" \
@@ -403,11 +381,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         assert residual is not None and residual.shape == x.shape and residual.stride(1) == 1
         r, r_out = residual, torch.empty_like(x)
     even_n = n % block_n == 0
-    # FP8_AHEAD_CANDIDATES' prefetches (PTX, so not in the interpreter): whole 128-byte lines
-    row_bytes, piece_bytes = k * weight.element_size(), block_k * weight.element_size()
-    if not pdl_active(x.device) or weight.data_ptr() % 128 or row_bytes % 128 \
-            or piece_bytes % 128 or k % block_k:
-        ahead = 0
     # a program's weight rows are contiguous: block_n * k elements (all in bounds if EVEN_N)
     pf = prefetch_programs(weight, block_n * k * weight.element_size(), prologue == PLAIN) \
         if even_n else 0
@@ -419,6 +392,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         HAS_SCALE=weight_scale is not None, EVEN_N=even_n, EVEN_K=k % block_k == 0,
         PROLOGUE=prologue, PREFETCH=pf > 0,
-        USE_DOT=use_dot, PRECISION=dot_precision(x.dtype), WIDEN=widen, AHEAD=ahead,
-        num_warps=warps, num_stages=stages, **pdl_launch(x))
+        USE_DOT=use_dot, PRECISION=dot_precision(x.dtype), WIDEN=widen, num_warps=warps,
+        num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y

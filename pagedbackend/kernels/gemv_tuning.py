@@ -19,12 +19,9 @@ import torch.nn.functional as F
 import triton
 
 from pagedbackend.kernels import fp8_mma
-from pagedbackend.kernels.common import pdl_active
-from pagedbackend.kernels.gemv import (ADD_NORM, CANDIDATES, DOT_CANDIDATES,
-                                       FP8_AHEAD_CANDIDATES, FP8_CANDIDATES,
+from pagedbackend.kernels.gemv import (ADD_NORM, CANDIDATES, DOT_CANDIDATES, FP8_CANDIDATES,
                                        FP8_HALF_CANDIDATES, FP8_WIDEN_CANDIDATES,
-                                       INT8_AHEAD_CANDIDATES, INT8_HALF_CANDIDATES, MAX_ROWS,
-                                       NORM, PLAIN, SILU_MUL,
+                                       INT8_HALF_CANDIDATES, MAX_ROWS, NORM, PLAIN, SILU_MUL,
                                        byte_half_fits, rows_bucket, skinny_linear, tile_block_k)
 from pagedbackend.layers.fp8_inputs import fp8_norm_linear, fp8_silu_linear, fused_quant_active
 from pagedbackend.layers.quantization import dequantize, scaled_linear
@@ -157,8 +154,7 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
     # the H200 every such tile failed on int8 weights, call 51)
     widen = scale is not None and weight.dtype == torch.float8_e4m3fn and rows == 1
     tiles = CANDIDATES + (FP8_CANDIDATES if scale is not None else ()) + DOT_CANDIDATES \
-        + (FP8_WIDEN_CANDIDATES if widen else ()) \
-        + byte_half_tiles(rows, weight, scale, dt, pdl_active(dev))
+        + (FP8_WIDEN_CANDIDATES if widen else ()) + byte_half_tiles(rows, weight, scale, dt)
     timed = time_tiles([c for c in tiles if rows > 1 or len(c) == 4 or not c[4]], kernel, ref,
                        f"skinny GEMM {what}", f"{rows}x{n}x{k}")
     best, best_us = None, float("inf")
@@ -174,17 +170,14 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prol
 
 
 def byte_half_tiles(rows: int, weight: torch.Tensor, scale: torch.Tensor | None,
-                    dtype: torch.dtype, ahead: bool = False) -> tuple:
-    """The fp16-pair tiles (gemv.FP8_HALF_CANDIDATES / INT8_HALF_CANDIDATES, and with ahead,
-    where they prefetch (Hopper), their FP8_AHEAD / INT8_AHEAD forms) a shape may try: one row
-    of a 16-bit input (an fp32 model keeps its fp32 products), one-byte weights, eight bytes a
-    thread and K a multiple of the tile's BLOCK_K."""
+                    dtype: torch.dtype) -> tuple:
+    """The fp16-pair tiles (gemv.FP8_HALF_CANDIDATES / INT8_HALF_CANDIDATES) a shape may try:
+    one row of a 16-bit input (an fp32 model keeps its fp32 products), one-byte weights, eight
+    bytes a thread and K a multiple of the tile's BLOCK_K."""
     if rows != 1 or scale is None or dtype == torch.float32:
         return ()
-    cands = FP8_HALF_CANDIDATES + (FP8_AHEAD_CANDIDATES if ahead else ()) \
-        if weight.dtype == torch.float8_e4m3fn \
-        else INT8_HALF_CANDIDATES + (INT8_AHEAD_CANDIDATES if ahead else ()) \
-        if weight.dtype == torch.int8 else ()
+    cands = FP8_HALF_CANDIDATES if weight.dtype == torch.float8_e4m3fn \
+        else INT8_HALF_CANDIDATES if weight.dtype == torch.int8 else ()
     k = weight.shape[1]
     return tuple(c for c in cands
                  if byte_half_fits((c[0], tile_block_k(c[1], 1, k), c[2]), k))

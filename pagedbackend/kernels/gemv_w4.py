@@ -27,10 +27,8 @@ import triton
 import triton.language as tl
 
 from pagedbackend.kernels.common import (INTERPRET, SPREAD_BYTES_PTX, dot_precision,
-                                         l2_prefetch, l2_prefetch_lines, mma,
-                                         pair_sum_into_first, pdl_active, pdl_enter, pdl_launch,
-                                         pdl_trigger, pdl_wait, prefetch_programs,
-                                         row_lines)
+                                         l2_prefetch, mma, pair_sum_into_first, pdl_enter,
+                                         pdl_launch, pdl_trigger, pdl_wait, prefetch_programs)
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL, _input_tile
 
 MAX_ROWS = 8
@@ -57,21 +55,6 @@ KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
                      (32, 512, 4, 4, False, 2, 4), (32, 512, 4, 4, False, 2, 2),
                      (16, 1024, 4, 3, False, True, 2),
                      (32, 512, 4, 4, False, True, 4), (16, 512, 4, 4, False, True, 4))
-# one row, HALF tiles (whole K or split) that ask for their codes AHEAD iterations early (an
-# eighth element): every program's rows of the piece that many iterations on are asked into
-# L2 (l2_prefetch_lines) while it computes this one. The one-row tiles chosen on the H200 and
-# the H100 (calls 72, 75) read the 4-bit codes at 1.6 TB/s, a third of HBM's rate, while
-# compiled for sm_90 their main loop issues ~3 instructions a weight, ~3x fewer than that time
-# allows: they wait on memory with ~16 KB a SM in flight (a few programs of 4 warps, 64 code
-# bytes a thread loaded before the arithmetic that needs them). A prefetch holds no registers.
-# Hopper only, as the tuner tries them: elsewhere they would run as the same tile without it.
-AHEAD_CANDIDATES = tuple(c + (a,) for c in ((64, 256, 4, 3, False, 2, 8),
-                                            (64, 256, 4, 3, False, 2, 4),
-                                            (64, 256, 4, 3, False, 2, 2),
-                                            (128, 256, 4, 3, False, 2, 4),
-                                            (128, 256, 4, 3, False, 2, 1),
-                                            (64, 512, 4, 3, False, 2, 1))
-                         for a in (1, 2))
 # wider steps: swap-AB GEMM tiles ("t", BLOCK_N, BLOCK_M, SUB_K, num_warps, num_stages, SPLIT),
 # timed per rows bucket against dequantize + cuBLAS. The weight tile is the dot's first operand,
 # acc[BLOCK_N, BLOCK_M] = W x^T, so the dequantized codes feed the tensor cores from registers
@@ -235,8 +218,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, KSPLIT: tl.constexpr,
                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr,
-                        prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                        AHEAD: tl.constexpr):
+                        prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     # split-K (KSPLIT > 1: one row tile, no prologue): program (pid, ks) sums K / KSPLIT
     # columns, from ks * K / KSPLIT
@@ -254,28 +236,12 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
     r_out_rows = r_out_ptr + m.to(tl.int64)[:, None] * stride_rom
     store_ok = (m < M - M * tl.minimum(pid, 1))[:, None]
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # (the hints keep a split's first column provably a multiple of SUB_K, as k0 = 0 was: the
-    # loads stay vectorized, and the HALF tiles' PTX takes eight consecutive code bytes of a
-    # row per thread, which an unvectorized load's layout does not give: GPU call 60 got
-    # relative errors of 1.0-1.3 from them without the hints)
-    if KSPLIT > 1:
-        k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
-    else:
-        k_lo = 0
     # as gemv.py: the next kernel may start now; the first programs' codes (contiguous rows,
     # written by no kernel) start towards L2 before the wait for the previous kernel's output
     pdl_trigger(USE_PDL)
     if PREFETCH:
         if pid < prefetch_programs and ks == 0:
             l2_prefetch(q_ptr + pid * BLOCK_N * (K * BITS // 8), BLOCK_N * (K * BITS // 8))
-    # AHEAD: this program's codes of the first iterations after the first (its rows' pieces;
-    # rows past N read as row N - 1's), then in the loop those AHEAD iterations on
-    PIECE_BYTES: tl.constexpr = BLOCK_K * BITS // 8
-    ahead_rows = q_ptr + tl.minimum(n, N - 1).to(tl.int64) * (K * BITS // 8)
-    for j in tl.static_range(1, AHEAD):
-        if j * BLOCK_K < k_len:
-            l2_prefetch_lines(row_lines(ahead_rows + (k_lo + j * BLOCK_K) * BITS // 8,
-                                        PIECE_BYTES))
     pdl_wait(USE_PDL)
     if USE_DOT:
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -285,11 +251,15 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, SUB_K // (1 + (SPLIT > 0))], dtype=tl.float32)
     # BLOCK_K columns per iteration in pieces of SUB_K, each inside one group: several groups'
     # loads in flight per program without a scale per column
+    # (the hints keep a split's first column provably a multiple of SUB_K, as k0 = 0 was: the
+    # loads stay vectorized, and the HALF tiles' PTX takes eight consecutive code bytes of a
+    # row per thread, which an unvectorized load's layout does not give: GPU call 60 got
+    # relative errors of 1.0-1.3 from them without the hints)
+    if KSPLIT > 1:
+        k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
+    else:
+        k_lo = 0
     for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
-        if AHEAD > 0:
-            if k0 + AHEAD * BLOCK_K < k_lo + k_len:
-                l2_prefetch_lines(row_lines(ahead_rows + (k0 + AHEAD * BLOCK_K) * BITS // 8,
-                                            PIECE_BYTES))
         for i in tl.static_range(BLOCK_K // SUB_K):
             kk = tl.multiple_of(k0 + i * SUB_K, SUB_K)
             if SPLIT == 2:     # HALF: one row, no prologue (HALF_CANDIDATES)
@@ -506,10 +476,9 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0):
     """x [M, K] (rows contiguous) @ W.T (+ bias) -> [M, N] in x's dtype, W the PackedWeight
     (even groups), with one of CANDIDATES / DOT_CANDIDATES / SPLIT_CANDIDATES /
-    HALF_CANDIDATES / KSPLIT_CANDIDATES / AHEAD_CANDIDATES (M <= MAX_ROWS) or SWAP_CANDIDATES
-    (any M: row tiles of BLOCK_M) as the tile. The prologues (not for SWAP_CANDIDATES) are
-    gemv.py's: NORM, ADD_NORM (returning (y, x + residual)) and SILU_MUL (x = gate | up,
-    [M, 2K])."""
+    HALF_CANDIDATES / KSPLIT_CANDIDATES (M <= MAX_ROWS) or SWAP_CANDIDATES (any M: row tiles of
+    BLOCK_M) as the tile. The prologues (not for SWAP_CANDIDATES) are gemv.py's: NORM, ADD_NORM
+    (returning (y, x + residual)) and SILU_MUL (x = gate | up, [M, 2K])."""
     m = x.shape[0]
     n, k = pw.shape
     if config[0] == "t":
@@ -519,7 +488,6 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     # SPLIT_CANDIDATES (1), HALF_CANDIDATES (2); a seventh element splits K (KSPLIT_CANDIDATES)
     split = int(dot[1]) if not use_dot and len(dot) > 1 else 0
     ksplit = int(dot[2]) if not use_dot and len(dot) > 2 else 1
-    ahead = int(dot[3]) if not use_dot and len(dot) > 3 else 0
     assert ksplit == 1 or prologue == PLAIN and m <= MAX_ROWS and k % (ksplit * pw.group_size) \
         == 0, f"split-K tile {config} takes no prologue, <= {MAX_ROWS} rows and whole groups " \
         f"per split, not prologue {prologue}, {m} rows, K {k}, group {pw.group_size}"
@@ -539,10 +507,6 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     if prologue in (NORM, ADD_NORM):
         assert norm_weight is not None and norm_weight.shape == (k,)
     sub_k, block_k = _tile_k(block_k, pw.group_size, k // ksplit)
-    # AHEAD_CANDIDATES' prefetches (PTX, so not in the interpreter): whole 128-byte lines
-    if not pdl_active(x.device) or pw.qweight.data_ptr() % 128 \
-            or (k * pw.bits // 8) % 128 or (block_k * pw.bits // 8) % 128:
-        ahead = 0
     pf = prefetch_programs(pw.qweight, block_n * pw.qweight.shape[1], prologue == PLAIN) \
         if n % block_n == 0 else 0
     tiles = triton.cdiv(n, block_n)
@@ -557,7 +521,7 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=split, KSPLIT=ksplit,
         USE_DOT=use_dot,
         PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
-        PREFETCH=pf > 0, AHEAD=ahead, num_warps=warps, num_stages=stages, **pdl_launch(x))
+        PREFETCH=pf > 0, num_warps=warps, num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
 
 

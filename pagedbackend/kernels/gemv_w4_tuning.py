@@ -20,10 +20,8 @@ import torch.nn.functional as F
 import triton
 
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL
-from pagedbackend.kernels.common import pdl_active
-from pagedbackend.kernels.gemv_w4 import (AHEAD_CANDIDATES, CANDIDATES, DOT_CANDIDATES,
-                                          HALF_CANDIDATES, KSPLIT_CANDIDATES, MAX_ROWS,
-                                          SPLIT_CANDIDATES,
+from pagedbackend.kernels.gemv_w4 import (CANDIDATES, DOT_CANDIDATES, HALF_CANDIDATES,
+                                          KSPLIT_CANDIDATES, MAX_ROWS, SPLIT_CANDIDATES,
                                           SWAP_CANDIDATES, _block_k, half_fits, packed_gemv)
 
 logger = logging.getLogger("pagedbackend")
@@ -106,7 +104,7 @@ def _config(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
     return _CHOICE[key]
 
 
-def _tiles(rows: int, pw, dtype: torch.dtype = torch.bfloat16, ahead: bool = False) -> tuple:
+def _tiles(rows: int, pw, dtype: torch.dtype = torch.bfloat16) -> tuple:
     # broadcast products of several rows hold rows x BLOCK_N x piece fp32 partial sums: only
     # tiles that keep them to <= 64 registers a thread (SPLIT tiles hold half as many: the
     # same bound, with room to spare); SPLIT tiles read 4-bit codes only, HALF tiles one row
@@ -118,9 +116,8 @@ def _tiles(rows: int, pw, dtype: torch.dtype = torch.bfloat16, ahead: bool = Fal
         half_ok = pw.bits == 4 and dtype != torch.float32
         half = tuple(c for c in HALF_CANDIDATES if half_fits(c, pw.group_size)) \
             if half_ok else ()
-        # split-K: whole groups per split, SPLIT / HALF tiles as above; the prefetching tiles
-        # only where they prefetch (ahead: Hopper), else they would be the same tiles again
-        ksplit = tuple(c for c in KSPLIT_CANDIDATES + (AHEAD_CANDIDATES if ahead else ())
+        # split-K: whole groups per split, SPLIT / HALF tiles as above
+        ksplit = tuple(c for c in KSPLIT_CANDIDATES
                        if pw.bits == 4 and pw.shape[1] % (c[6] * pw.group_size) == 0
                        and (c[5] != 2 or half_ok and half_fits(c, pw.group_size)))
         return fma + half + ksplit
@@ -151,7 +148,7 @@ def _tune(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
     if prologue == PLAIN:
         what, baseline = "plain", lambda: F.linear(xs, pw.dequantize(dt), bias)
         kernel = lambda cfg: packed_gemv(xs, pw, bias, cfg)        # noqa: E731
-        tiles = _tiles(rows, pw, dt, pdl_active(dev))
+        tiles = _tiles(rows, pw, dt)
     else:       # HALF and split-K tiles take no prologue
         tiles = [c for c in _RANKED.get(_key(x, pw, PLAIN), [])
                  if len(c) < 6 or c[5] != 2 and len(c) < 7][:FUSED_TRIES]
