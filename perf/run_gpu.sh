@@ -9,9 +9,8 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls: on an H200, "dmon w1pairs" (~5 min: W1 fp8 / int8 with the fp16-pair tiles at
-# 64 registers), then
-# (after H100 calls 74-75, perf/RESULTS.md) "dequant fp8mma" (~4 min:
+# Next calls (after H100 calls 74-76, perf/RESULTS.md): on an H200, "dmon w1pairs" (~5 min:
+# W1 fp8 / int8 with the fp16-pair tiles at 64 registers), "dequant fp8mma" (~4 min:
 # the W8A8 fp8 tiles at 1-64 rows, W1 fp8 A/B) then "w2awq" (~5 min: AWQ 0.854x bf16 on an
 # H100), then "correctnessw8a8 correctnessawq correctnessgptq", then "servefp8" (~8 min, carry
 # models/dummy/llama-3.1-8b: W4 with fp8 weights, whose ~36-row decode steps at rate 16 now may
