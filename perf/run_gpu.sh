@@ -107,8 +107,8 @@ for s in $stages; do
     # and each widening one-row fp8 tile against the same tile with triton's cast, ~1.5 min
     fp8inbench) run fp8inbench 150 python3 perf/kernels_bench.py --only fp8in ;;
     # the W8A8 fp8 tiles (kernels/fp8_mma.py; H100 call 74): their GPU parity, the tiles
-    # against torch._scaled_mm and the W8A16 pair tiles at
-    # 1-64 rows, then W1 with fp8 weights, W8A16 tiles then fp8w8a8, one process; ~4 min
+    # against torch._scaled_mm and the W8A16 pair tiles at 1-64 rows, then W1 with fp8
+    # weights, W8A16 tiles then fp8w8a8, one process; ~4 min
     fp8mma) run fp8mmatests 150 python3 -m pytest -q tests/test_fp8_kernels.py -k "fp8_mma or w8a8"
             run fp8mmabench 150 python3 perf/kernels_bench.py --only fp8mma
             run w1w8a8 300 python3 perf/w1_decode.py --quantization fp8 --suffix fp8 \
@@ -145,7 +145,7 @@ for s in $stages; do
     # bench (on an H100, call 76, no change: gate|up reads at 80% of its HBM there), then W1
     # bf16, fp8 and int8 in one process (the H200 read them at 2.5 TB/s of 4.8, call 72); ~5 min
     w1pairs) run bytesbench 120 python3 perf/kernels_bench.py --only bytes
-             run w1bytes 300 python3 perf/w1_decode.py --ab fp8w,int8 ;;
+             run w1pairs 300 python3 perf/w1_decode.py --ab fp8w,int8 ;;
     # the 4-bit dequantization (dequantize + cuBLAS's first half) at the four shapes: the
     # word-pair kernel at a few tiles against the converting one, ~30 s
     dequant) run dequant 90 python3 perf/kernels_bench.py --only dequant ;;

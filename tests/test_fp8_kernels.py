@@ -381,7 +381,21 @@ def test_fp8_decode_setting_routes_e4m3_layers(monkeypatch):
                                       Cuda(wq), sw, None, torch.bfloat16) is None
 
 
-# compiled in a process of its own: this one runs triton's interpreter (kernel_env)
+def compiled_for_hopper(script: str, *args: str) -> str:
+    """The stdout of script run with args in a process of its own, without TRITON_INTERPRET
+    (this one runs triton's interpreter, kernel_env), so it compiles for the GPU target it
+    names; fails the test with the script's stderr if it fails."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+# compiled for sm_90 by compiled_for_hopper
 HOPPER_COMPILE = """
 import sys
 import triton
@@ -414,17 +428,11 @@ def test_fp8_mma_tiles_compile_for_hopper_to_pipelined_wgmma():
     """Compiled for sm_90 on this machine, with the pointer alignment a launch specializes on:
     the tiles' main loop runs on wgmma with e4m3 operands staged by cp.async through as many
     shared-memory buffers as num_stages (the weight is never widened in registers)."""
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, "2:16", "6:64"], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["2", "True", "True", "True", "6", "True", "True", "True"]
+    out = compiled_for_hopper(HOPPER_COMPILE, "2:16", "6:64")
+    assert out.split() == ["2", "True", "True", "True", "6", "True", "True", "True"]
 
 
-# compiled in a process of its own (as above); prints each tile's registers a thread (ptxas)
+# compiled for sm_90 by compiled_for_hopper; prints each tile's registers a thread (ptxas)
 HOPPER_REGISTERS = """
 import inspect
 import os
@@ -470,12 +478,6 @@ def test_byte_half_tiles_keep_the_registers_of_their_main_loop():
     whole kernel: compiled for sm_90 the fp16-pair e4m3 tiles, plain and with the SiLU·mul
     prologue, use at most 64 registers a thread (their main loop's), where a fallback holding a
     [BLOCK_N, BLOCK_K] fp32 accumulator made it 119-127, half the programs a SM can hold."""
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", HOPPER_REGISTERS, "3:0", "3:3", "2:3"], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    regs = dict(zip(out.stdout.split()[::2], map(int, out.stdout.split()[1::2])))
+    out = compiled_for_hopper(HOPPER_REGISTERS, "3:0", "3:3", "2:3").split()
+    regs = dict(zip(out[::2], map(int, out[1::2])))
     assert set(regs) == {"3:0", "3:3", "2:3"} and max(regs.values()) <= 64, regs

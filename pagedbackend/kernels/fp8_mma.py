@@ -114,8 +114,7 @@ def fp8_mma_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, w_scale: 
         xq, sx.reshape(-1), wq, w_scale.reshape(-1), bias if bias is not None else y, y, ws,
         counts, m, n, k, xq.stride(0), y.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_M=block_m, KSPLIT=ksplit, HAS_BIAS=bias is not None, num_warps=warps,
-        num_stages=stages,
-        **pdl_launch(xq))
+        num_stages=stages, **pdl_launch(xq))
     return y
 
 
