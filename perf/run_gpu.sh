@@ -148,6 +148,13 @@ for s in $stages; do
              run w1pairs 300 python3 perf/w1_decode.py --ab fp8w,int8 ;;
     # the 4-bit dequantization (dequantize + cuBLAS's first half) at the four shapes: the
     # word-pair kernel at a few tiles against the converting one, ~30 s
+    # Nsight Compute on the tuned one-row tiles (4-bit, int8, e4m3, bf16; gate|up and down):
+    # stall reasons, issue rate and the memory pipes of each, ~3 min
+    ncu) run ncutiles 300 "${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)}" \
+           --clock-control none --nvtx --nvtx-include "ncu/" --section SpeedOfLight \
+           --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+           --section Occupancy --section LaunchStats --section InstructionStats \
+           --section SourceCounters python3 perf/ncu_tiles.py ;;
     dequant) run dequant 90 python3 perf/kernels_bench.py --only dequant ;;
     w2awq) run w2awq 480 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
     # greedy output on AWQ / GPTQ (act order) checkpoints of the tiny models vs transformers on

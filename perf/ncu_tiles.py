@@ -1,0 +1,71 @@
+"""The one-row matmul tiles under Nsight Compute: why the quantized ones read below the bandwidth.
+
+    ncu --clock-control none --nvtx --nvtx-include "ncu/" --section ... \
+        python3 perf/ncu_tiles.py [--kinds awq,int8,fp8,bf16] [--shapes gate_up,down]
+
+For each weight kind and llama-3.1-8b shape, the engine's tuner picks its one-row tile (timed
+as in serving); the chosen tile then runs once inside the NVTX range "ncu", which is all that
+ncu profiles (stall reasons, issue rate, bytes in flight). Outside ncu it prints each choice and
+its time, so the report's kernels can be matched to tiles.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from perf.kernels_bench import DEVICE, DT, LLAMA_MATMULS, random_packed_weight  # noqa: E402
+
+
+def chosen(kind: str, n: int, k: int):
+    """(label, a closure running the tuned one-row matmul) for kind's weights [n, k]."""
+    from pagedbackend.kernels import gemv_tuning, gemv_w4_tuning
+    from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
+    x = torch.randn(1, k, device=DEVICE, dtype=DT)
+    if kind == "awq":
+        pw = random_packed_weight(n, k)
+        gemv_w4_tuning.packed_linear(x, pw, None)
+        cfg = gemv_w4_tuning._CHOICE[gemv_w4_tuning._key(x, pw, 0)]
+        return f"{cfg}", lambda: gemv_w4_tuning.packed_linear(x, pw, None)
+    w = torch.randn(n, k, device=DEVICE) / k ** 0.5
+    if kind == "bf16":
+        w, sc = w.to(DT), None
+    else:
+        w, sc = (quantize_weight_fp8 if kind == "fp8" else quantize_weight_int8)(w)
+    out = gemv_tuning.maybe_skinny_linear(x, w, None, sc)
+    cfg = gemv_tuning._choice(x, w, None, 0, sc)
+    if out is None:
+        return "cuBLAS", None
+    return f"{cfg}", lambda: gemv_tuning.maybe_skinny_linear(x, w, None, sc)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", default="awq,int8,fp8,bf16")
+    ap.add_argument("--shapes", default="gate_up,down")
+    args = ap.parse_args()
+    from pagedbackend.kernels.gemv_tuning import _time_us
+    shapes = {name: (n, k) for name, n, k in LLAMA_MATMULS}
+    runs = []
+    for kind in args.kinds.split(","):
+        for name in args.shapes.split(","):
+            n, k = shapes[name]
+            label, fn = chosen(kind, n, k)
+            us = _time_us(fn) if fn else float("nan")
+            print(f"{kind} {name} N={n} K={k}: {label} {us:.1f} us", flush=True)
+            if fn:
+                runs.append(fn)
+    torch.cuda.synchronize()
+    for fn in runs:         # in the order printed above
+        torch.cuda.nvtx.range_push("ncu")
+        fn()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
