@@ -155,6 +155,11 @@ for s in $stages; do
            --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
            --section Occupancy --section LaunchStats --section InstructionStats \
            --section SourceCounters python3 perf/ncu_tiles.py ;;
+    # the tensor-core W4A16 tiles (gemv_w4.MMA_CANDIDATES): their GPU tests (the PTX's
+    # arithmetic), the one-row bench against the FMA tiles, then W1 bf16 vs AWQ, ~8 min
+    w4mma) run w4mmatests 150 python3 -m pytest -q tests/test_quant_kernels.py -k mma
+           run w4bench 240 python3 perf/kernels_bench.py --only w4
+           run w1awq 300 python3 perf/w1_decode.py --ab awq ;;
     dequant) run dequant 90 python3 perf/kernels_bench.py --only dequant ;;
     w2awq) run w2awq 480 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
     # greedy output on AWQ / GPTQ (act order) checkpoints of the tiny models vs transformers on

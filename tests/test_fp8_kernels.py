@@ -11,7 +11,7 @@ import importlib
 import pytest
 import torch
 
-from kernel_env import CUDA, DEV  # before any kernel module: sets TRITON_INTERPRET
+from kernel_env import CUDA, DEV, compiled_for_hopper  # before any kernel module
 pytest.importorskip("triton")
 
 
@@ -379,20 +379,6 @@ def test_fp8_decode_setting_routes_e4m3_layers(monkeypatch):
     monkeypatch.setattr(fp8_mma, "ENABLED", False)
     assert fp8_mma.maybe_fp8_mma_gemm(Cuda(torch.zeros(1, 128).to(torch.float8_e4m3fn)), None,
                                       Cuda(wq), sw, None, torch.bfloat16) is None
-
-
-def compiled_for_hopper(script: str, *args: str) -> str:
-    """The stdout of script run with args in a process of its own, without TRITON_INTERPRET
-    (this one runs triton's interpreter, kernel_env), so it compiles for the GPU target it
-    names; fails the test with the script's stderr if it fails."""
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
 
 
 # compiled for sm_90 by compiled_for_hopper
