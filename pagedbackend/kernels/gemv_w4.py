@@ -388,9 +388,9 @@ def _dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, BITS:
 # and the products run on the tensor cores (the input padded to 16 rows): per piece of one
 # group, the low and high nibbles' tiles (q - z, exact) against the input's even and odd
 # columns, the sum times the group's scales. KSPLIT programs per N tile as the split-K tiles.
-# Compiled for sm_90 (group 128) their main loops issue 2.6-3.3 instructions a weight at
-# BLOCK_N 128-256 (fp16 inputs the fewer) with 100-170 registers a thread; the narrower and
-# split-K ones give N = 4096 enough programs.
+# Compiled for sm_90 (group 128) their main loops issue 2.6-3.0 instructions a weight at
+# BLOCK_N 128 and 4 warps (fp16 inputs the fewer; the lop3 block is 1.25-1.6 of them) with
+# ~150 registers a thread; the narrower and split-K ones give N = 4096 enough programs.
 MMA_CANDIDATES = (("m", 128, 128, 4, 2, 1), ("m", 256, 128, 8, 3, 1), ("m", 128, 128, 8, 1, 1),
                   ("m", 128, 128, 4, 4, 2), ("m", 64, 128, 4, 3, 4), ("m", 128, 64, 4, 4, 4))
 MMA_ROWS = 16
@@ -468,7 +468,9 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, 
     n_ok = n < N
     m = tl.arange(0, 16)
     m_ok = (m < M)[:, None]
-    q_rows = q_ptr + n.to(tl.int64)[:, None] * (K // 2)
+    # the last tile's rows past N read row N - 1 (not stored): no masks in the loop
+    n_in = tl.minimum(n, N - 1)
+    q_rows = q_ptr + n_in.to(tl.int64)[:, None] * (K // 2)
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     dt = y_ptr.dtype.element_ty
     pdl_enter(USE_PDL)
@@ -480,11 +482,10 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, 
     for k0 in range(k_lo, k_lo + k_len, SUB_K):
         kk = tl.multiple_of(k0, SUB_K)
         kb = tl.multiple_of(kk // 2, SUB_K // 2) + tl.arange(0, SUB_K // 2)
-        b = tl.load(q_rows + kb[None, :], mask=n_ok[:, None], other=0,
-                    eviction_policy="evict_first")
+        b = tl.load(q_rows + kb[None, :], eviction_policy="evict_first")
         g = kk // GROUP
-        s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * N + n, mask=n_ok, other=0).to(tl.float32)
+        s = tl.load(s_ptr + g * N + n_in).to(tl.float32)
+        z = tl.load(z_ptr + g * N + n_in).to(tl.float32)
         lo, hi = _codes_pair_step(b, z[:, None], dt)
         xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
         xe, xo = xc.reshape(16, SUB_K // 2, 2).split()
