@@ -267,7 +267,7 @@ for arg in sys.argv[1:]:
     i, dt = arg.split(":")
     _, block_n, sub_k, warps, stages, ksplit = gemv_w4.MMA_CANDIDATES[int(i)]
     const = dict(GROUP=128, BLOCK_N=block_n, SUB_K=sub_k, KSPLIT=ksplit, HAS_BIAS=True,
-                 USE_PDL=True)
+                 USE_PDL=True, PREFETCH=True)
     ptrs = {"x_ptr": "*" + dt, "q_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8",
             "b_ptr": "*" + dt, "y_ptr": "*" + dt, "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}

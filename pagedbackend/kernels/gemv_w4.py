@@ -459,7 +459,7 @@ def _codes_pair_step(b, z, DT: tl.constexpr):
 def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K,
                      stride_xm, stride_ym, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                      SUB_K: tl.constexpr, KSPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """MMA_CANDIDATES' tiles: y[m, n] for every row (M <= 16) and BLOCK_N outputs."""
     pid = tl.program_id(0)
     ks = tl.program_id(1)
@@ -473,7 +473,12 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, 
     q_rows = q_ptr + n_in.to(tl.int64)[:, None] * (K // 2)
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     dt = y_ptr.dtype.element_ty
-    pdl_enter(USE_PDL)
+    # as _packed_gemv_kernel: the first programs' codes start towards L2 before the wait
+    pdl_trigger(USE_PDL)
+    if PREFETCH:
+        if pid < prefetch_programs and ks == 0:
+            l2_prefetch(q_ptr + pid * BLOCK_N * (K // 2), BLOCK_N * (K // 2))
+    pdl_wait(USE_PDL)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     if KSPLIT > 1:
         k_lo = tl.multiple_of(ks * k_len, SUB_K)
@@ -529,11 +534,13 @@ def _mma_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple, pro
     tiles = triton.cdiv(n, block_n)
     ws, counts = _split_k_buffers(x.device, ksplit * MMA_ROWS * n, tiles) if ksplit > 1 \
         else (y, y)
+    pf = prefetch_programs(pw.qweight, block_n * pw.qweight.shape[1], True) \
+        if n % block_n == 0 else 0
     _mma_gemv_kernel[(tiles, ksplit)](
         x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, ws, counts, m,
         n, k, x.stride(0), y.stride(0), GROUP=pw.group_size, BLOCK_N=block_n, SUB_K=sub_k,
-        KSPLIT=ksplit, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages,
-        **pdl_launch(x))
+        KSPLIT=ksplit, HAS_BIAS=bias is not None, prefetch_programs=pf, PREFETCH=pf > 0,
+        num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y
 
 
