@@ -339,15 +339,17 @@ def test_skinny_linear_reads_int8_weights(cfg):
 def test_swap_ab_gemm_tiles(bits, group, dtype):
     """The swap-AB GEMM tiles (the weight the dot's first operand, the output stored
     transposed): the product of the dequantized weight, with a bias, at rows and outputs that
-    are not multiples of the tile; SPLIT ones offered for 4-bit codes only, no prologue."""
+    are not multiples of the tile; SPLIT ones offered for 4-bit codes only, pair ones (SPLIT 2)
+    for 16-bit inputs too, no prologue."""
     from pagedbackend.kernels.gemv import NORM
     tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
     n, k = (4096, 4096) if CUDA else (40, 256)
     cfgs = gemv_w4.SWAP_CANDIDATES if CUDA else (("t", 32, 16, 64, 4, 2, False),
-                                                 ("t", 32, 16, 64, 4, 2, True))
+                                                 ("t", 32, 16, 64, 4, 2, True),
+                                                 ("t", 32, 16, 64, 4, 2, 2))
     if CUDA and dtype == torch.float32:     # fp32 input tiles of 256 rows overflow shared memory
         cfgs = [c for c in cfgs if c[2] <= 128]
-    cfgs = [c for c in cfgs if not c[6] or bits == 4]
+    cfgs = [c for c in cfgs if not c[6] or bits == 4 and (c[6] != 2 or dtype != torch.float32)]
     pw = packed_weight(n, k, bits, group)
     w = torch_dequantize(pw)
     x = torch.randn(300 if CUDA else 37, k, device=DEV).to(dtype)
@@ -359,6 +361,11 @@ def test_swap_ab_gemm_tiles(bits, group, dtype):
             (1e-5 if dtype == torch.float32 else 1e-2), cfg
     offered = set(tuning._tiles(16, pw))
     assert all((c in offered) == (not c[6] or bits == 4) for c in gemv_w4.SWAP_CANDIDATES)
+    pairs = {c for c in gemv_w4.SWAP_CANDIDATES if c[6] == 2}
+    assert pairs and not pairs & set(tuning._tiles(16, pw, torch.float32))
+    if bits == 4:
+        with pytest.raises(AssertionError, match="16-bit input"):
+            gemv_w4.packed_gemv(x.float(), pw, None, min(pairs))
     assert not set(gemv_w4.SWAP_CANDIDATES) & set(tuning._tiles(8, pw))     # decode steps
     assert set(tuning._tiles(16, pw)) <= set(gemv_w4.SWAP_CANDIDATES + gemv_w4.MMA_CANDIDATES)
     with pytest.raises(AssertionError, match="no prologue"):

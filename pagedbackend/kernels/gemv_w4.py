@@ -64,9 +64,14 @@ KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
 # H200 (call 70) they ran 1.1-1.3x the tiles that made the weight the second operand (removed)
 # at every llama-3.1-8b shape at 512 and 8,192 rows, and triton's warp-specialized loop gave
 # them nothing (removed); each tile below was the fastest somewhere (calls 70, 73).
+# SPLIT 2 (16-bit inputs): the codes opened in PTX as the MMA tiles open them
+# (_codes_pair_step), times s in 16 bits; compiled for sm_90 their loops issue 0.75-0.9x the
+# instructions of the SPLIT ones.
 SWAP_CANDIDATES = (("t", 64, 128, 64, 4, 3, False), ("t", 128, 256, 64, 8, 3, False),
                    ("t", 64, 256, 64, 4, 3, False), ("t", 128, 128, 128, 8, 3, True),
-                   ("t", 64, 128, 128, 4, 3, True), ("t", 128, 64, 128, 4, 4, True))
+                   ("t", 64, 128, 128, 4, 3, True), ("t", 128, 64, 128, 4, 4, True),
+                   ("t", 128, 256, 64, 8, 3, 2), ("t", 128, 128, 128, 8, 3, 2),
+                   ("t", 256, 128, 64, 8, 3, 2), ("t", 64, 128, 128, 4, 3, 2))
 
 
 @triton.jit
@@ -353,7 +358,24 @@ def _swap_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_
     for k0 in range(0, K, SUB_K):
         kk = tl.multiple_of(k0, SUB_K)
         xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
-        if SPLIT:
+        if SPLIT == 2:      # 16-bit inputs: q - z opened in PTX, times s in 16 bits
+            kb = tl.multiple_of(kk // 2, SUB_K // 2) + tl.arange(0, SUB_K // 2)
+            b = tl.load(q_rows + kb[None, :], mask=n_ok[:, None], other=0,
+                        eviction_policy="evict_first")
+            g = kk // GROUP
+            s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(wt)[:, None]
+            z = tl.load(z_ptr + g * N + n, mask=n_ok, other=0).to(tl.float32)
+            lo, hi = _codes_pair_step(b, z[:, None], wt)
+            if INTERPRET:   # its 16-bit products are wrong (bf16 as raw bits): fp32, rounded
+                lo = (lo.to(tl.float32) * s.to(tl.float32)).to(wt)
+                hi = (hi.to(tl.float32) * s.to(tl.float32)).to(wt)
+            else:
+                lo = lo * s
+                hi = hi * s
+            xe, xo = xc.reshape(BLOCK_M, SUB_K // 2, 2).split()
+            acc += mma(lo, tl.trans(xe), PRECISION)
+            acc += mma(hi, tl.trans(xo), PRECISION)
+        elif SPLIT:
             lo, hi, s = _nibbles_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BLOCK_N,
                                        SUB_K)
             xe, xo = xc.reshape(BLOCK_M, SUB_K // 2, 2).split()
@@ -696,6 +718,8 @@ def _swap_gemm(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple, pr
     _, block_n, block_m, sub_k, warps, stages, split = config
     assert prologue == PLAIN, f"swap-AB tile {config} takes no prologue, not {prologue}"
     assert not split or pw.bits == 4, f"SPLIT tiles read 4-bit codes, not {pw.bits}-bit"
+    assert split != 2 or x.dtype in (torch.float16, torch.bfloat16), \
+        f"swap-AB pair tile {config} takes a 16-bit input, not {x.dtype}"
     assert x.stride(1) == 1 and pw.g_idx is None and x.shape[1] == pw.shape[1]
     m, (n, k) = x.shape[0], pw.shape
     sub_k = _block_k(sub_k, pw.group_size)
@@ -704,6 +728,6 @@ def _swap_gemm(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple, pr
     _swap_gemm_kernel[(m_tiles * triton.cdiv(n, block_n),)](
         x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, m, n, k,
         x.stride(0), y.stride(0), m_tiles, GROUP=pw.group_size, BITS=pw.bits, BLOCK_N=block_n,
-        BLOCK_M=block_m, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=bool(split),
+        BLOCK_M=block_m, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=int(split),
         PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y

@@ -113,8 +113,10 @@ def _tiles(rows: int, pw, dtype: torch.dtype = torch.bfloat16) -> tuple:
     # MMA tiles: 1-16 rows of a 16-bit input on 4-bit codes, splits on whole pieces of K
     mma = tuple(c for c in MMA_CANDIDATES if mma_fits(c, pw.shape[1], pw.group_size)) \
         if pw.bits == 4 and dtype != torch.float32 and rows <= MMA_ROWS else ()
-    if rows > MAX_ROWS:     # the swap-AB GEMM tiles; SPLIT ones read 4-bit codes
-        return tuple(c for c in SWAP_CANDIDATES if not c[6] or pw.bits == 4) + mma
+    if rows > MAX_ROWS:     # the swap-AB GEMM tiles; SPLIT ones read 4-bit codes, pair ones
+        # (SPLIT 2) a 16-bit input
+        return tuple(c for c in SWAP_CANDIDATES if not c[6] or pw.bits == 4
+                     and (c[6] != 2 or dtype != torch.float32)) + mma
     fma = CANDIDATES + (SPLIT_CANDIDATES if pw.bits == 4 else ())
     if rows == 1:
         half_ok = pw.bits == 4 and dtype != torch.float32
