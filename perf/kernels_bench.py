@@ -290,9 +290,9 @@ def bench_w4():
     first) against dequantize + cuBLAS and against bf16 cuBLAS on a 16-bit weight of the same
     shape. Graph-timed with the L2 flushed, as the tuner times. Then every one-row tile without a
     prologue: the best of the nibble-split and fp16-pair tiles (gemv_w4.SPLIT_CANDIDATES,
-    HALF_CANDIDATES) against the best split-K tile (KSPLIT_CANDIDATES) and the best
-    tensor-core tile (MMA_CANDIDATES), each checked against the dequantized weight, per shape in
-    a table of its own. TB/s: the codes', scales' and zeros' bytes."""
+    HALF_CANDIDATES) against the best split-K tile (KSPLIT_CANDIDATES, each checked against the
+    dequantized weight), per shape in a table of its own. TB/s: the codes', scales' and zeros'
+    bytes."""
     from pagedbackend.kernels import gemv, gemv_w4, gemv_w4_tuning
     from pagedbackend.kernels.gemv_tuning import _time_us
     from pagedbackend.layers.activation import silu_and_mul
@@ -317,9 +317,7 @@ def bench_w4():
         whole = min(_best_tile(gemv_w4.SPLIT_CANDIDATES, run),
                     _best_tile(gemv_w4.HALF_CANDIDATES, run), key=lambda t: t[0])
         best = [whole, _best_tile([c for c in gemv_w4.KSPLIT_CANDIDATES
-                                   if k % (c[6] * 128) == 0], run, ref, "w4", tbs),
-                _best_tile([c for c in gemv_w4.MMA_CANDIDATES if gemv_w4.mma_fits(c, k, 128)],
-                           run, ref, "w4 mma", tbs)]
+                                   if k % (c[6] * 128) == 0], run, ref, "w4", tbs)]
         split_table.append((f"{name} N={n} K={k}", *best))
         row(f"w4 {name} 1-row split-K {best[1][1]} vs whole K {best[0][1]}", best[1][0] / 1e3,
             best[0][0] / 1e3, tbs(best[1][0]))
@@ -342,11 +340,10 @@ def bench_w4():
         row(f"w4 {name} prologue: fused {'chosen' if chosen else 'not chosen'} vs separate",
             tf / 1e3, _time_us(sep) / 1e3, tbs(tf) if chosen else "")
     print("\n| shape (1 row, group 128) | best whole-K tile us | best split-K tile us "
-          "| whole / split-K | best MMA tile us | FMA tiles / MMA |\n|---|---:|---:|---:|---:|---:|")
-    for shape, (old_us, old_cfg), (new_us, new_cfg), (mma_us, mma_cfg) in split_table:
+          "| whole / split-K |\n|---|---:|---:|---:|")
+    for shape, (old_us, old_cfg), (new_us, new_cfg) in split_table:
         print(f"| {shape} | {old_us:.1f} {old_cfg} | {new_us:.1f} {new_cfg} | "
-              f"{old_us / new_us:.2f}x | {mma_us:.1f} {mma_cfg} | "
-              f"{min(old_us, new_us) / mma_us:.2f}x |")
+              f"{old_us / new_us:.2f}x |")
 
 
 def bench_w4_wide():

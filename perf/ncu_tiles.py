@@ -3,14 +3,16 @@
     ncu --clock-control none --nvtx --nvtx-include "ncu/" --section ... \
         python3 perf/ncu_tiles.py [--kinds awq,int8,fp8,bf16] [--shapes gate_up,down]
 
-For each weight kind and llama-3.1-8b shape, the engine's tuner picks its one-row tile (timed
-as in serving); the chosen tile then runs once inside the NVTX range "ncu", which is all that
-ncu profiles (stall reasons, issue rate, bytes in flight). Outside ncu it prints each choice and
-its time, so the report's kernels can be matched to tiles.
+For each weight kind and llama-3.1-8b shape, the engine's tuner picks its one-row tile (under
+ncu its timings, and so its choices, can differ from serving's; --tile names tiles instead);
+each then runs once inside the NVTX range "ncu", which is all that ncu profiles (stall
+reasons, issue rate, bytes in flight). It prints each tile and its time first, in the order
+of the report's kernels.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 from pathlib import Path
 
@@ -43,15 +45,40 @@ def chosen(kind: str, n: int, k: int):
     return f"{cfg}", lambda: gemv_tuning.maybe_skinny_linear(x, w, None, sc)
 
 
+def given(kind: str, n: int, k: int, cfg: tuple):
+    """(label, a closure running tile cfg) for kind's weights [n, k], no tuner."""
+    from pagedbackend.kernels import gemv, gemv_w4
+    from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
+    x = torch.randn(1, k, device=DEVICE, dtype=DT)
+    if kind == "awq":
+        pw = random_packed_weight(n, k)
+        return f"{cfg}", lambda: gemv_w4.packed_gemv(x, pw, None, cfg)
+    w = torch.randn(n, k, device=DEVICE) / k ** 0.5
+    if kind == "bf16":
+        w, sc = w.to(DT), None
+    else:
+        w, sc = (quantize_weight_fp8 if kind == "fp8" else quantize_weight_int8)(w)
+    return f"{cfg}", lambda: gemv.skinny_linear(x, w, None, cfg, weight_scale=sc)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default="awq,int8,fp8,bf16")
     ap.add_argument("--shapes", default="gate_up,down")
+    ap.add_argument("--tile", action="append", default=[],
+                    help="kind:shape:tile (a python tuple), run instead of the tuner's choices; "
+                         "repeat for several")
     args = ap.parse_args()
     from pagedbackend.kernels.gemv_tuning import _time_us
     shapes = {name: (n, k) for name, n, k in LLAMA_MATMULS}
     runs = []
-    for kind in args.kinds.split(","):
+    for spec in args.tile:
+        kind, name, cfg = spec.split(":", 2)
+        n, k = shapes[name]
+        label, fn = given(kind, n, k, ast.literal_eval(cfg))
+        print(f"{kind} {name} N={n} K={k}: {label} {_time_us(fn):.1f} us", flush=True)
+        runs.append(fn)
+    for kind in args.kinds.split(",") if not args.tile else ():
         for name in args.shapes.split(","):
             n, k = shapes[name]
             label, fn = chosen(kind, n, k)

@@ -146,20 +146,17 @@ for s in $stages; do
     # bf16, fp8 and int8 in one process (the H200 read them at 2.5 TB/s of 4.8, call 72); ~5 min
     w1pairs) run bytesbench 120 python3 perf/kernels_bench.py --only bytes
              run w1pairs 300 python3 perf/w1_decode.py --ab fp8w,int8 ;;
-    # the 4-bit dequantization (dequantize + cuBLAS's first half) at the four shapes: the
-    # word-pair kernel at a few tiles against the converting one, ~30 s
-    # Nsight Compute on the tuned one-row tiles (4-bit, int8, e4m3, bf16; gate|up and down):
-    # stall reasons, issue rate and the memory pipes of each, ~3 min
+    # Nsight Compute on the tuned one-row tiles (4-bit, int8, e4m3, bf16; gate|up and down; or
+    # NCU_TILES="--tile kind:shape:tile ...", tiles without spaces): stall reasons, issue rate
+    # and memory pipes, ~3 min
     ncu) run ncutiles 300 "${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)}" \
            --clock-control none --nvtx --nvtx-include "ncu/" --section SpeedOfLight \
            --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
            --section Occupancy --section LaunchStats --section InstructionStats \
-           --section SourceCounters python3 perf/ncu_tiles.py ;;
-    # the tensor-core W4A16 tiles (gemv_w4.MMA_CANDIDATES): their GPU tests (the PTX's
-    # arithmetic), the one-row bench against the FMA tiles, then W1 bf16 vs AWQ, ~8 min
-    w4mma) run w4mmatests 150 python3 -m pytest -q tests/test_quant_kernels.py -k mma
-           run w4bench 240 python3 perf/kernels_bench.py --only w4
-           run w1awq 300 python3 perf/w1_decode.py --ab awq ;;
+           --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+           python3 perf/ncu_tiles.py ${NCU_TILES:-} ;;
+    # the 4-bit dequantization (dequantize + cuBLAS's first half) at the four shapes: the
+    # word-pair kernel at a few tiles against the converting one, ~30 s
     dequant) run dequant 90 python3 perf/kernels_bench.py --only dequant ;;
     w2awq) run w2awq 480 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
     # greedy output on AWQ / GPTQ (act order) checkpoints of the tiny models vs transformers on

@@ -193,63 +193,9 @@ def test_split_k_tiles_are_one_plain_row_of_whole_groups():
     assert fp32 and all(c[5] is True for c in fp32)
 
 
-# MMA tiles: the first candidate on the GPU; on the CPU narrow ones (N = 80 leaves a partial
-# tile) that loop over K, one with pieces of half a group and splits of K
-MMA_SMALL = (("m", 32, 128, 4, 3, 1), ("m", 32, 64, 4, 3, 2))
-
-
-@pytest.mark.parametrize("cfg", gemv_w4.MMA_CANDIDATES[:1] + gemv_w4.MMA_CANDIDATES[3:4] if CUDA
-                         else MMA_SMALL, ids=["whole", "split"])
-@pytest.mark.parametrize("group", [128, 64])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_mma_tiles_match_dequantize_then_matmul(cfg, group, dtype):
-    """The tensor-core tiles at 1, 5 and 16 rows, with and without a bias, against the fp32
-    product of the dequantized weight: within 1e-2 (q - z is exact in 16 bits, the products
-    summed in fp32, the output rounded to 16 bits). On the GPU this runs their PTX (both
-    magic-number forms); the CPU interpreter runs its stand-in. A second launch gives the
-    same bits, and split-K tiles leave no count of finished splits behind."""
-    n, k = (6144, 4096) if CUDA else (80, 512)
-    pw = packed_weight(n, k, 4, group)
-    w = torch_dequantize(pw)
-    for m, with_bias in ((1, False), (1, True), (5, True), (16, False)):
-        x, b, y = check_packed_gemv(pw, w, cfg, m, dtype, with_bias, 1e-2)
-        assert torch.equal(gemv_w4.packed_gemv(x, pw, b, cfg), y)
-    if cfg[5] > 1:
-        assert not gemv_w4._SPLIT_K[x.device][1].any()
-
-
-def test_mma_tiles_take_1_to_16_rows_of_16_bits_on_4_bit_codes():
-    """What packed_gemv refuses of an MMA tile (naming the tile), and where the tuner offers
-    them: 1-16 rows of a 16-bit input on 4-bit codes, splits on whole pieces of K; never with
-    a prologue (the tuner's fused tries skip them)."""
-    pw = packed_weight(64, 512, 4, 128)
-    cfg = MMA_SMALL[0]
-    for x, pwx, c in ((torch.randn(17, 512, device=DEV).bfloat16(), pw, cfg),
-                      (torch.randn(1, 512, device=DEV), pw, cfg),
-                      (torch.randn(1, 512, device=DEV).bfloat16(), packed_weight(64, 512, 8, 128),
-                       cfg),
-                      (torch.randn(1, 512, device=DEV).bfloat16(), pw, cfg[:5] + (8,))):
-        with pytest.raises(AssertionError, match="MMA tile"):
-            gemv_w4.packed_gemv(x, pwx, None, c)
-    with pytest.raises(AssertionError, match="MMA tile"):
-        gemv_w4.packed_gemv(torch.randn(1, 512, device=DEV).bfloat16(), pw, None, cfg,
-                            gemv_w4.NORM, None, torch.ones(512, device=DEV).bfloat16(), 1e-6)
-    tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
-    pw = packed_weight(64, 256, 4, 128)
-    fits = {c for c in gemv_w4.MMA_CANDIDATES if gemv_w4.mma_fits(c, 256, 128)}
-    assert fits and ("m", 64, 128, 4, 3, 4) not in fits     # K 256: not 4 pieces of 128
-    for rows in (1, 4, 16):
-        assert set(tuning._tiles(rows, pw)) & set(gemv_w4.MMA_CANDIDATES) == fits, rows
-    for rows, pwx, dt in ((32, pw, torch.bfloat16), (1, pw, torch.float32),
-                          (16, packed_weight(64, 256, 8, 128), torch.bfloat16)):
-        assert not set(tuning._tiles(rows, pwx, dt)) & set(gemv_w4.MMA_CANDIDATES)
-    # group 16: pieces of 16 columns give dots of 8, below the tensor cores' 16
-    assert not gemv_w4.mma_fits(cfg, 512, 16)
-
-
-# compiled for sm_90 by compiled_for_hopper; prints each tile's tensor-core (all, bf16) and
+# compiled for sm_90 by compiled_for_hopper; prints each swap-AB tile's wgmma (all, bf16) and
 # lop3 instruction counts in its SASS
-HOPPER_MMA = """
+HOPPER_SWAP = """
 import inspect
 import os
 import subprocess
@@ -260,16 +206,16 @@ from triton.backends import nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from pagedbackend.kernels import gemv_w4
-kernel = gemv_w4._mma_gemv_kernel
+kernel = gemv_w4._swap_gemm_kernel
 names = list(inspect.signature(kernel.fn).parameters)
 nvdisasm = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
 for arg in sys.argv[1:]:
     i, dt = arg.split(":")
-    _, block_n, sub_k, warps, stages, ksplit = gemv_w4.MMA_CANDIDATES[int(i)]
-    const = dict(GROUP=128, BLOCK_N=block_n, SUB_K=sub_k, KSPLIT=ksplit, HAS_BIAS=True,
-                 USE_PDL=True, PREFETCH=True)
+    _, block_n, block_m, sub_k, warps, stages, split = gemv_w4.SWAP_CANDIDATES[int(i)]
+    const = dict(GROUP=128, BITS=4, BLOCK_N=block_n, BLOCK_M=block_m, SUB_K=sub_k,
+                 HAS_BIAS=True, SPLIT=int(split), PRECISION="tf32", USE_PDL=True)
     ptrs = {"x_ptr": "*" + dt, "q_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8",
-            "b_ptr": "*" + dt, "y_ptr": "*" + dt, "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+            "b_ptr": "*" + dt, "y_ptr": "*" + dt}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
     aligned = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
                if n in ptrs or n.startswith("stride") or n in ("N", "K")}
@@ -281,21 +227,21 @@ for arg in sys.argv[1:]:
         f.flush()
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
                               check=True).stdout
-    print(arg, sass.count("HMMA.16816.F32"), sass.count("HMMA.16816.F32.BF16"),
-          sass.count("LOP3.LUT"))
+    print(arg, sass.count("HGMMA"), sass.count(".BF16"), sass.count("LOP3.LUT"))
 """
 
 
-@pytest.mark.skipif(CUDA, reason="the GPU runs the tiles themselves (kernelsnew / w4mma)")
-def test_mma_tiles_compile_for_hopper_to_tensor_core_dots():
-    """Compiled for sm_90 on this machine (ptxas checks the inline PTX): the bf16 and fp16
-    tiles multiply on the tensor cores in their own type (no widening of the weight), their
-    codes opened by lop3 (two a 32-bit word of four code bytes, one a word per nibble)."""
-    out = compiled_for_hopper(HOPPER_MMA, "0:bf16", "0:fp16", "4:bf16").split()
+@pytest.mark.skipif(CUDA, reason="the GPU runs the tiles themselves (w4wide)")
+def test_swap_pair_tiles_compile_for_hopper_to_wgmma():
+    """Compiled for sm_90 on this machine (ptxas checks the inline PTX, which the interpreter
+    does not run): the swap-AB pair tiles' bf16 and fp16 forms multiply on wgmma in their own
+    type, their codes opened by lop3."""
+    i = next(j for j, c in enumerate(gemv_w4.SWAP_CANDIDATES) if c[6] == 2)
+    out = compiled_for_hopper(HOPPER_SWAP, f"{i}:bf16", f"{i}:fp16").split()
     got = {out[j]: tuple(map(int, out[j + 1:j + 4])) for j in range(0, len(out), 4)}
-    assert set(got) == {"0:bf16", "0:fp16", "4:bf16"}, out
-    for arg, (mma, bf16_mma, lop3) in got.items():
-        assert mma > 0 and lop3 > 0 and bf16_mma == (mma if "bf16" in arg else 0), got
+    assert set(got) == {f"{i}:bf16", f"{i}:fp16"}, out
+    for arg, (mma, bf16, lop3) in got.items():
+        assert mma > 0 and lop3 > 0 and (bf16 > 0) == ("bf16" in arg), got
 
 
 def test_block_k_stays_inside_a_group():
@@ -367,7 +313,7 @@ def test_swap_ab_gemm_tiles(bits, group, dtype):
         with pytest.raises(AssertionError, match="16-bit input"):
             gemv_w4.packed_gemv(x.float(), pw, None, min(pairs))
     assert not set(gemv_w4.SWAP_CANDIDATES) & set(tuning._tiles(8, pw))     # decode steps
-    assert set(tuning._tiles(16, pw)) <= set(gemv_w4.SWAP_CANDIDATES + gemv_w4.MMA_CANDIDATES)
+    assert set(tuning._tiles(16, pw)) <= set(gemv_w4.SWAP_CANDIDATES)
     with pytest.raises(AssertionError, match="no prologue"):
         gemv_w4.packed_gemv(x, pw, None, cfgs[0], NORM, None, torch.ones(k, device=DEV), 1e-5)
 

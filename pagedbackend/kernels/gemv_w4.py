@@ -64,9 +64,8 @@ KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
 # H200 (call 70) they ran 1.1-1.3x the tiles that made the weight the second operand (removed)
 # at every llama-3.1-8b shape at 512 and 8,192 rows, and triton's warp-specialized loop gave
 # them nothing (removed); each tile below was the fastest somewhere (calls 70, 73).
-# SPLIT 2 (16-bit inputs): the codes opened in PTX as the MMA tiles open them
-# (_codes_pair_step), times s in 16 bits; compiled for sm_90 their loops issue 0.75-0.9x the
-# instructions of the SPLIT ones.
+# SPLIT 2 (16-bit inputs): the codes opened in PTX (_codes_pair_step), times s in 16 bits;
+# compiled for sm_90 their loops issue 0.75-0.9x the instructions of the SPLIT ones.
 SWAP_CANDIDATES = (("t", 64, 128, 64, 4, 3, False), ("t", 128, 256, 64, 8, 3, False),
                    ("t", 64, 256, 64, 4, 3, False), ("t", 128, 128, 128, 8, 3, True),
                    ("t", 64, 128, 128, 4, 3, True), ("t", 128, 64, 128, 4, 4, True),
@@ -338,6 +337,68 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                  y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+# The swap-AB pair tiles' codes opened in PTX: $0-$1 the low nibbles' q - z and $2-$3 the high
+# ones' (16-bit pairs), $4 four code bytes, $5-$6 (and for fp16 $7-$8) the constants that turn
+# the magic values into q - z (16-bit pairs, one per code byte). fp16: OR-ed into 1024's
+# mantissa a low nibble reads 1024 + q, a high one (left in bits 4-7) 1024 + 16 q: minus
+# 1024 + z, or times 1/16 plus -(64 + z). bf16 (7 mantissa bits): both nibbles into 128's
+# mantissa, the high ones shifted down first (the word shifted by 4 puts each byte's high
+# nibble in its low bits; the mask drops the next byte's), plus -(128 + z).
+_PAIRS_F16 = tl.constexpr("""{
+.reg .b32 t0, t1, l0, l1, h0, h1, c;
+mov.b32 c, 0x2C002C00;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+lop3.b32 l0, t0, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 l1, t1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 h0, t0, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 h1, t1, 0x00F000F0, 0x64006400, 0xEA;
+sub.rn.f16x2 $0, l0, $5;
+sub.rn.f16x2 $1, l1, $6;
+fma.rn.f16x2 $2, h0, c, $7;
+fma.rn.f16x2 $3, h1, c, $8;
+}""")
+_PAIRS_BF16 = tl.constexpr("""{
+.reg .b32 t0, t1, t2, t3, u, l0, l1, h0, h1, c;
+mov.b32 c, 0x3F803F80;
+shr.u32 u, $4, 4;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+prmt.b32 t2, u, 0, 0x4140;
+prmt.b32 t3, u, 0, 0x4342;
+lop3.b32 l0, t0, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 l1, t1, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 h0, t2, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 h1, t3, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 $0, l0, c, $5;
+fma.rn.bf16x2 $1, l1, c, $6;
+fma.rn.bf16x2 $2, h0, c, $5;
+fma.rn.bf16x2 $3, h1, c, $6;
+}""")
+
+
+@triton.jit
+def _codes_pair_step(b, z, DT: tl.constexpr):
+    """(lo, hi): the q - z of code bytes b's low and high nibbles (uint8 [BLOCK_N, P], zero
+    points z [BLOCK_N, 1] fp32) in DT (fp16 or bf16), exact (|q - z| < 16). Element by element,
+    so it holds whatever the layout of b (_PAIRS_F16 / _PAIRS_BF16 on the GPU)."""
+    if INTERPRET:
+        bi = b.to(tl.int32)
+        lo = ((bi & 0xF).to(tl.float32) - z).to(DT)
+        hi = ((bi >> 4).to(tl.float32) - z).to(DT)
+    elif DT == tl.float16:
+        lo, hi = tl.inline_asm_elementwise(
+            _PAIRS_F16, "=r,=r,=r,=r,r,r,r,r,r",
+            [b, (z + 1024.0).to(tl.float16), (-64.0 - z).to(tl.float16)],
+            dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            _PAIRS_BF16, "=r,=r,=r,=r,r,r,r", [b, (-128.0 - z).to(tl.bfloat16)],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return lo, hi
+
+
+
 @triton.jit
 def _swap_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                       m_tiles, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -401,169 +462,6 @@ def _dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, BITS:
     k = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], w.to(w_ptr.dtype.element_ty),
              mask=n_ok[:, None])
-
-
-# MMA tiles ("m", BLOCK_N, SUB_K, num_warps, num_stages, KSPLIT): 1-16 rows of a 16-bit input,
-# 4-bit codes, no prologue. The codes become 16-bit weights in PTX (_codes_pair_step: bytes
-# spread in pairs, a nibble OR-ed into a magic number's mantissa, the zero point subtracted
-# exactly, ~1.25-1.6 instructions a weight where the HALF tiles' multiply-adds issue 3.0-3.6),
-# and the products run on the tensor cores (the input padded to 16 rows): per piece of one
-# group, the low and high nibbles' tiles (q - z, exact) against the input's even and odd
-# columns, the sum times the group's scales. KSPLIT programs per N tile as the split-K tiles.
-# Compiled for sm_90 (group 128) their main loops issue 2.6-3.0 instructions a weight at
-# BLOCK_N 128 and 4 warps (fp16 inputs the fewer; the lop3 block is 1.25-1.6 of them) with
-# ~150 registers a thread; the narrower and split-K ones give N = 4096 enough programs.
-MMA_CANDIDATES = (("m", 128, 128, 4, 2, 1), ("m", 256, 128, 8, 3, 1), ("m", 128, 128, 8, 1, 1),
-                  ("m", 128, 128, 4, 4, 2), ("m", 64, 128, 4, 3, 4), ("m", 128, 64, 4, 4, 4))
-MMA_ROWS = 16
-
-# $0-$1 the low nibbles' q - z and $2-$3 the high ones' (16-bit pairs), $4 four code bytes,
-# $5-$6 (and for fp16 $7-$8) the constants that turn the magic values into q - z (16-bit
-# pairs, one per code byte). fp16: OR-ed into 1024's mantissa a low nibble reads 1024 + q, a high one (left in
-# bits 4-7) 1024 + 16 q: minus 1024 + z, or times 1/16 plus -(64 + z). bf16 (7 mantissa bits):
-# both nibbles into 128's mantissa, the high ones shifted down first (the word shifted by 4
-# puts each byte's high nibble in its low bits; the mask drops the next byte's), plus -(128 + z).
-_PAIRS_F16 = tl.constexpr("""{
-.reg .b32 t0, t1, l0, l1, h0, h1, c;
-mov.b32 c, 0x2C002C00;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-lop3.b32 l0, t0, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 l1, t1, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 h0, t0, 0x00F000F0, 0x64006400, 0xEA;
-lop3.b32 h1, t1, 0x00F000F0, 0x64006400, 0xEA;
-sub.rn.f16x2 $0, l0, $5;
-sub.rn.f16x2 $1, l1, $6;
-fma.rn.f16x2 $2, h0, c, $7;
-fma.rn.f16x2 $3, h1, c, $8;
-}""")
-_PAIRS_BF16 = tl.constexpr("""{
-.reg .b32 t0, t1, t2, t3, u, l0, l1, h0, h1, c;
-mov.b32 c, 0x3F803F80;
-shr.u32 u, $4, 4;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-prmt.b32 t2, u, 0, 0x4140;
-prmt.b32 t3, u, 0, 0x4342;
-lop3.b32 l0, t0, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 l1, t1, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 h0, t2, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 h1, t3, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 $0, l0, c, $5;
-fma.rn.bf16x2 $1, l1, c, $6;
-fma.rn.bf16x2 $2, h0, c, $5;
-fma.rn.bf16x2 $3, h1, c, $6;
-}""")
-
-
-@triton.jit
-def _codes_pair_step(b, z, DT: tl.constexpr):
-    """(lo, hi): the q - z of code bytes b's low and high nibbles (uint8 [BLOCK_N, P], zero
-    points z [BLOCK_N, 1] fp32) in DT (fp16 or bf16), exact (|q - z| < 16). Element by element,
-    so it holds whatever the layout of b (_PAIRS_F16 / _PAIRS_BF16 on the GPU)."""
-    if INTERPRET:
-        bi = b.to(tl.int32)
-        lo = ((bi & 0xF).to(tl.float32) - z).to(DT)
-        hi = ((bi >> 4).to(tl.float32) - z).to(DT)
-    elif DT == tl.float16:
-        lo, hi = tl.inline_asm_elementwise(
-            _PAIRS_F16, "=r,=r,=r,=r,r,r,r,r,r",
-            [b, (z + 1024.0).to(tl.float16), (-64.0 - z).to(tl.float16)],
-            dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-    else:
-        lo, hi = tl.inline_asm_elementwise(
-            _PAIRS_BF16, "=r,=r,=r,=r,r,r,r", [b, (-128.0 - z).to(tl.bfloat16)],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    return lo, hi
-
-
-@triton.jit
-def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K,
-                     stride_xm, stride_ym, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SUB_K: tl.constexpr, KSPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    """MMA_CANDIDATES' tiles: y[m, n] for every row (M <= 16) and BLOCK_N outputs."""
-    pid = tl.program_id(0)
-    ks = tl.program_id(1)
-    k_len = K // KSPLIT
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    m = tl.arange(0, 16)
-    m_ok = (m < M)[:, None]
-    # the last tile's rows past N read row N - 1 (not stored): no masks in the loop
-    n_in = tl.minimum(n, N - 1)
-    q_rows = q_ptr + n_in.to(tl.int64)[:, None] * (K // 2)
-    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
-    dt = y_ptr.dtype.element_ty
-    # as _packed_gemv_kernel: the first programs' codes start towards L2 before the wait
-    pdl_trigger(USE_PDL)
-    if PREFETCH:
-        if pid < prefetch_programs and ks == 0:
-            l2_prefetch(q_ptr + pid * BLOCK_N * (K // 2), BLOCK_N * (K // 2))
-    pdl_wait(USE_PDL)
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    if KSPLIT > 1:
-        k_lo = tl.multiple_of(ks * k_len, SUB_K)
-    else:
-        k_lo = 0
-    for k0 in range(k_lo, k_lo + k_len, SUB_K):
-        kk = tl.multiple_of(k0, SUB_K)
-        kb = tl.multiple_of(kk // 2, SUB_K // 2) + tl.arange(0, SUB_K // 2)
-        b = tl.load(q_rows + kb[None, :], eviction_policy="evict_first")
-        g = kk // GROUP
-        s = tl.load(s_ptr + g * N + n_in).to(tl.float32)
-        z = tl.load(z_ptr + g * N + n_in).to(tl.float32)
-        lo, hi = _codes_pair_step(b, z[:, None], dt)
-        xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
-        xe, xo = xc.reshape(16, SUB_K // 2, 2).split()
-        if INTERPRET:       # as mma(): bf16 operands widened for the interpreter
-            part = tl.dot(xe.to(tl.float32), tl.trans(lo.to(tl.float32)))
-            part = tl.dot(xo.to(tl.float32), tl.trans(hi.to(tl.float32)), part)
-        else:
-            part = tl.dot(xe, tl.trans(lo))
-            part = tl.dot(xo, tl.trans(hi), part)
-        acc += part * s[None, :]
-    ok = m_ok & n_ok[None, :]
-    last = True
-    if KSPLIT > 1:
-        acc, last = split_k_sum(acc, ws_ptr, cnt_ptr, pid, ks, m[:, None] * N + n[None, :], ok,
-                                M * N, KSPLIT)
-    if last:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], acc.to(dt), mask=ok)
-
-
-def mma_fits(config: tuple, k: int, group: int) -> bool:
-    """Whether an MMA tile's splits each start on a whole piece (of one group) of K."""
-    _, _, sub_k, _, _, ksplit = config
-    sub = _block_k(sub_k, group)
-    return sub >= 32 and k % (ksplit * sub) == 0
-
-
-def _mma_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple, prologue: int):
-    """packed_gemv with an MMA_CANDIDATES tile (1-16 rows of a 16-bit input, 4-bit codes)."""
-    _, block_n, sub_k, warps, stages, ksplit = config
-    m, (n, k) = x.shape[0], pw.shape
-    assert prologue == PLAIN and 1 <= m <= MMA_ROWS and pw.bits == 4 and pw.g_idx is None \
-        and x.dtype in (torch.float16, torch.bfloat16) and mma_fits(config, k, pw.group_size), \
-        f"MMA tile {config} takes 1-{MMA_ROWS} rows of a 16-bit input, 4-bit codes and no " \
-        f"prologue, not {m} rows of {x.dtype}, {pw.bits}-bit, prologue {prologue}, K {k}, " \
-        f"group {pw.group_size}"
-    assert x.stride(1) == 1 and x.shape[1] == k
-    sub_k = _block_k(sub_k, pw.group_size)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(n, block_n)
-    ws, counts = _split_k_buffers(x.device, ksplit * MMA_ROWS * n, tiles) if ksplit > 1 \
-        else (y, y)
-    pf = prefetch_programs(pw.qweight, block_n * pw.qweight.shape[1], True) \
-        if n % block_n == 0 else 0
-    _mma_gemv_kernel[(tiles, ksplit)](
-        x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, ws, counts, m,
-        n, k, x.stride(0), y.stride(0), GROUP=pw.group_size, BLOCK_N=block_n, SUB_K=sub_k,
-        KSPLIT=ksplit, HAS_BIAS=bias is not None, prefetch_programs=pf, PREFETCH=pf > 0,
-        num_warps=warps, num_stages=stages, **pdl_launch(x))
-    return y
 
 
 def half_fits(config: tuple, group: int) -> bool:
@@ -661,16 +559,13 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0):
     """x [M, K] (rows contiguous) @ W.T (+ bias) -> [M, N] in x's dtype, W the PackedWeight
     (even groups), with one of CANDIDATES / DOT_CANDIDATES / SPLIT_CANDIDATES /
-    HALF_CANDIDATES / KSPLIT_CANDIDATES (M <= MAX_ROWS), MMA_CANDIDATES (M <= MMA_ROWS) or
-    SWAP_CANDIDATES (any M: row tiles of BLOCK_M) as the tile. The prologues (not for
-    SWAP_CANDIDATES or MMA_CANDIDATES) are gemv.py's: NORM, ADD_NORM (returning
-    (y, x + residual)) and SILU_MUL (x = gate | up, [M, 2K])."""
+    HALF_CANDIDATES / KSPLIT_CANDIDATES (M <= MAX_ROWS) or SWAP_CANDIDATES (any M: row tiles
+    of BLOCK_M) as the tile. The prologues (not for SWAP_CANDIDATES) are gemv.py's: NORM,
+    ADD_NORM (returning (y, x + residual)) and SILU_MUL (x = gate | up, [M, 2K])."""
     m = x.shape[0]
     n, k = pw.shape
     if config[0] == "t":
         return _swap_gemm(x, pw, bias, config, prologue)
-    if config[0] == "m":
-        return _mma_gemv(x, pw, bias, config, prologue)
     block_n, block_k, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
     # SPLIT_CANDIDATES (1), HALF_CANDIDATES (2); a seventh element splits K (KSPLIT_CANDIDATES)

@@ -21,9 +21,8 @@ import triton
 
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL
 from pagedbackend.kernels.gemv_w4 import (CANDIDATES, DOT_CANDIDATES, HALF_CANDIDATES,
-                                          KSPLIT_CANDIDATES, MAX_ROWS, MMA_CANDIDATES,
-                                          MMA_ROWS, SPLIT_CANDIDATES, SWAP_CANDIDATES,
-                                          _block_k, half_fits, mma_fits, packed_gemv)
+                                          KSPLIT_CANDIDATES, MAX_ROWS, SPLIT_CANDIDATES,
+                                          SWAP_CANDIDATES, _block_k, half_fits, packed_gemv)
 
 logger = logging.getLogger("pagedbackend")
 
@@ -110,13 +109,10 @@ def _tiles(rows: int, pw, dtype: torch.dtype = torch.bfloat16) -> tuple:
     # tiles that keep them to <= 64 registers a thread (SPLIT tiles hold half as many: the
     # same bound, with room to spare); SPLIT tiles read 4-bit codes only, HALF tiles one row
     # of a 16-bit input (fp16 sums) with eight code bytes a thread
-    # MMA tiles: 1-16 rows of a 16-bit input on 4-bit codes, splits on whole pieces of K
-    mma = tuple(c for c in MMA_CANDIDATES if mma_fits(c, pw.shape[1], pw.group_size)) \
-        if pw.bits == 4 and dtype != torch.float32 and rows <= MMA_ROWS else ()
     if rows > MAX_ROWS:     # the swap-AB GEMM tiles; SPLIT ones read 4-bit codes, pair ones
         # (SPLIT 2) a 16-bit input
         return tuple(c for c in SWAP_CANDIDATES if not c[6] or pw.bits == 4
-                     and (c[6] != 2 or dtype != torch.float32)) + mma
+                     and (c[6] != 2 or dtype != torch.float32))
     fma = CANDIDATES + (SPLIT_CANDIDATES if pw.bits == 4 else ())
     if rows == 1:
         half_ok = pw.bits == 4 and dtype != torch.float32
@@ -126,10 +122,10 @@ def _tiles(rows: int, pw, dtype: torch.dtype = torch.bfloat16) -> tuple:
         ksplit = tuple(c for c in KSPLIT_CANDIDATES
                        if pw.bits == 4 and pw.shape[1] % (c[6] * pw.group_size) == 0
                        and (c[5] != 2 or half_ok and half_fits(c, pw.group_size)))
-        return fma + half + ksplit + mma
+        return fma + half + ksplit
     return tuple(c for c in fma
                  if rows * c[0] * _block_k(c[1], pw.group_size) <= 64 * 32 * c[2]) \
-        + DOT_CANDIDATES + mma
+        + DOT_CANDIDATES
 
 
 def _tune(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
@@ -155,9 +151,9 @@ def _tune(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
         what, baseline = "plain", lambda: F.linear(xs, pw.dequantize(dt), bias)
         kernel = lambda cfg: packed_gemv(xs, pw, bias, cfg)        # noqa: E731
         tiles = _tiles(rows, pw, dt)
-    else:       # HALF, split-K and MMA tiles take no prologue
+    else:       # HALF and split-K tiles take no prologue
         tiles = [c for c in _RANKED.get(_key(x, pw, PLAIN), [])
-                 if c[0] != "m" and (len(c) < 6 or c[5] != 2 and len(c) < 7)][:FUSED_TRIES]
+                 if len(c) < 6 or c[5] != 2 and len(c) < 7][:FUSED_TRIES]
         if prologue == SILU_MUL:
             what, baseline = "silu_mul+", lambda: matmul(silu_and_mul(gu))
             kernel = lambda cfg: packed_gemv(gu, pw, None, cfg, SILU_MUL)       # noqa: E731
