@@ -347,8 +347,8 @@ def bench_w4():
 
 
 def bench_w4_wide():
-    """AWQ / GPTQ at W2's decode (512 rows) and prefill (8,192) steps, llama-3.1-8b's four
-    matmuls, 4-bit codes in groups of 128: the best swap-AB W4A16 GEMM tile
+    """AWQ / GPTQ at 64 rows, W2's decode (512 rows) and prefill (8,192) steps, llama-3.1-8b's
+    four matmuls, 4-bit codes in groups of 128: the best swap-AB W4A16 GEMM tile
     (gemv_w4.SWAP_CANDIDATES, each checked against the fp32 product) against dequantize +
     cuBLAS (the tuner's other choice), the dequantization alone and bf16 cuBLAS on a 16-bit
     weight of the same shape. TFLOP/s: 2 x rows x N x K over the time."""
@@ -359,7 +359,7 @@ def bench_w4_wide():
     for name, n, k in LLAMA_MATMULS:
         pw = random_packed_weight(n, k)
         w16, w32 = pw.dequantize(DT), pw.dequantize(torch.float32)
-        for rows in (512, 8192):
+        for rows in (64, 512, 8192):
             x = torch.randn(rows, k, device=DEVICE, dtype=DT)
             ref = lin(x.float(), w32)
             tf = lambda us: f"{2 * rows * n * k / (us * 1e-6) / 1e12:.0f} TFLOP/s"  # noqa: B023,E731

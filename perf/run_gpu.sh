@@ -127,8 +127,8 @@ for s in $stages; do
     # the W4A16 tuner's one-row choices (prologue inside or in its own kernel) against
     # dequantize + cuBLAS and bf16 cuBLAS at llama-3.1-8b's four matmuls, ~40 s
     w4bench) run w4bench 240 python3 perf/kernels_bench.py --only w4 ;;
-    # the swap-AB W4A16 GEMM tiles' GPU parity, then each at 512 and 8,192 rows against
-    # dequantize + cuBLAS and bf16 cuBLAS (W2 with AWQ, issue 23), ~1 min (H200 call 70)
+    # the swap-AB W4A16 GEMM tiles' GPU parity, then each at 64, 512 and 8,192 rows against
+    # dequantize + cuBLAS and bf16 cuBLAS (W2 with AWQ, issue 23), ~2 min
     w4wide) run w4widetests 150 python3 -m pytest -q tests/test_quant_kernels.py -k swap_ab
             run w4wide 280 python3 perf/kernels_bench.py --only w4wide ;;
     w1quant) run w1quant 540 python3 perf/w1_decode.py --ab awq,gptq,int8 ;;
