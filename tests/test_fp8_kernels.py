@@ -420,40 +420,19 @@ def test_fp8_mma_tiles_compile_for_hopper_to_pipelined_wgmma():
 
 # compiled for sm_90 by compiled_for_hopper; prints each tile's registers a thread (ptxas)
 HOPPER_REGISTERS = """
-import inspect
-import os
 import re
-import subprocess
 import sys
-import tempfile
-import triton
-from triton.backends import nvidia
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from pagedbackend.kernels import gemv
-kernel = gemv._skinny_kernel
-names = list(inspect.signature(kernel.fn).parameters)
 ptrs = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "s_ptr": "*fp32",
         "y_ptr": "*bf16", "r_ptr": "*bf16", "r_out_ptr": "*bf16", "g_ptr": "*bf16"}
-cuobjdump = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
 for arg in sys.argv[1:]:
     i, prologue = map(int, arg.split(":"))
     block_n, block_k, warps, stages, _, widen = gemv.FP8_HALF_CANDIDATES[i]
     const = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, HAS_SCALE=True,
                  EVEN_N=True, EVEN_K=True, PROLOGUE=prologue, USE_PDL=True, PREFETCH=True,
                  USE_DOT=False, PRECISION="tf32", WIDEN=widen)
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "eps" else "i32")
-           for n in names}
-    aligned = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
-               if n in ptrs or n.startswith("stride") or n in ("N", "K")}
-    compiled = triton.compile(ASTSource(kernel, sig, const, aligned),
-                              target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
-                               capture_output=True, text=True, check=True).stdout
+    usage = sm90_tool(gemv._skinny_kernel, const, ptrs, warps, stages, "cuobjdump",
+                      "--dump-resource-usage")
     print(arg, re.search(r"REG:(\\d+)", usage).group(1))
 """
 

@@ -196,19 +196,8 @@ def test_split_k_tiles_are_one_plain_row_of_whole_groups():
 # compiled for sm_90 by compiled_for_hopper; prints each swap-AB tile's wgmma (all, bf16) and
 # lop3 instruction counts in its SASS
 HOPPER_SWAP = """
-import inspect
-import os
-import subprocess
 import sys
-import tempfile
-import triton
-from triton.backends import nvidia
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from pagedbackend.kernels import gemv_w4
-kernel = gemv_w4._swap_gemm_kernel
-names = list(inspect.signature(kernel.fn).parameters)
-nvdisasm = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
 for arg in sys.argv[1:]:
     i, dt = arg.split(":")
     _, block_n, block_m, sub_k, warps, stages, split = gemv_w4.SWAP_CANDIDATES[int(i)]
@@ -216,17 +205,7 @@ for arg in sys.argv[1:]:
                  HAS_BIAS=True, SPLIT=int(split), PRECISION="tf32", USE_PDL=True)
     ptrs = {"x_ptr": "*" + dt, "q_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8",
             "b_ptr": "*" + dt, "y_ptr": "*" + dt}
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
-    aligned = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
-               if n in ptrs or n.startswith("stride") or n in ("N", "K")}
-    compiled = triton.compile(ASTSource(kernel, sig, const, aligned),
-                              target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
-                              check=True).stdout
+    sass = sm90_tool(gemv_w4._swap_gemm_kernel, const, ptrs, warps, stages, "nvdisasm", "-c")
     print(arg, sass.count("HGMMA"), sass.count(".BF16"), sass.count("LOP3.LUT"))
 """
 
