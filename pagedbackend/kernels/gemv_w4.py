@@ -398,7 +398,6 @@ def _codes_pair_step(b, z, DT: tl.constexpr):
     return lo, hi
 
 
-
 @triton.jit
 def _swap_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                       m_tiles, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
