@@ -2,6 +2,15 @@ import importlib
 import os
 
 import pytest
+import torch
+
+# Without CUDA the triton-language kernels run in triton's interpreter, which triton reads when
+# it decorates a function: its own library's too (tl.zeros is one), decorated when triton is
+# first imported. Set here, before any test module can import triton (test_perf_variants.py's
+# importorskip did, and a later kernel test file then failed in every kernel); kernel_env.py
+# also sets it for the kernel test files run on their own.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 # One tritonserver for the whole session, shared by every module that asks for `triton`.
 from triton_fixtures import triton  # noqa: E402,F401
