@@ -96,6 +96,21 @@ MAGIC, MAGIC_BITS = tl.constexpr(8388608.0), tl.constexpr(0x4B000000)
 
 
 @triton.jit
+def _codes_piece(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP: tl.constexpr,
+                 SUB_K: tl.constexpr):
+    """(b, s, z): a 4-bit piece at input columns k0.. (a multiple of SUB_K, inside one group)
+    as loaded: the code bytes b (uint8 [BLOCK_N, SUB_K / 2], low nibble first) and the rows'
+    scales s and zero points z ([BLOCK_N] fp32)."""
+    kb = tl.multiple_of(k0 // 2, SUB_K // 2) + tl.arange(0, SUB_K // 2)
+    b = tl.load(q_rows + kb[None, :], mask=n_ok[:, None], other=0,
+                eviction_policy="evict_first")
+    g = k0 // GROUP
+    s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * N + n, mask=n_ok, other=0).to(tl.float32)
+    return b, s, z
+
+
+@triton.jit
 def _nibbles_piece(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP: tl.constexpr,
                    BLOCK_N: tl.constexpr, SUB_K: tl.constexpr):
     """SPLIT's 4-bit piece at input columns k0.. (one group): (lo, hi, s), lo and hi the
@@ -106,12 +121,8 @@ def _nibbles_piece(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP: tl.constexpr,
     (every value an integer below 2^24, or that over 16), so w = (q - z) * s as in _codes_tile.
     The caller multiplies by s after summing a pair's products, x_even (q - z) + x_odd (q - z):
     one rounding more or less than x * w per weight, fp32 sums within the fp32 test's 1e-5."""
-    kb = k0 // 2 + tl.arange(0, SUB_K // 2)
-    b = tl.load(q_rows + kb[None, :], mask=n_ok[:, None], other=0,
-                eviction_policy="evict_first").to(tl.int32)
-    g = k0 // GROUP
-    s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + g * N + n, mask=n_ok, other=0).to(tl.float32)
+    b, s, z = _codes_piece(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP, SUB_K)
+    b = b.to(tl.int32)
     lo = ((b & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True) - (z + MAGIC)[:, None]
     hi = ((b & 0xF0) | MAGIC_BITS).to(tl.float32, bitcast=True) * 0.0625 \
         - (z + MAGIC * 0.0625)[:, None]
@@ -267,12 +278,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         for i in tl.static_range(BLOCK_K // SUB_K):
             kk = tl.multiple_of(k0 + i * SUB_K, SUB_K)
             if SPLIT == 2:     # HALF: one row, no prologue (HALF_CANDIDATES)
-                kb = tl.multiple_of(kk // 2, SUB_K // 2) + tl.arange(0, SUB_K // 2)
-                b = tl.load(q_rows + kb[None, :], mask=n_ok[:, None], other=0,
-                            eviction_policy="evict_first")
-                g = kk // GROUP
-                s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + g * N + n, mask=n_ok, other=0).to(tl.float32)
+                b, s, z = _codes_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, SUB_K)
                 xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
                 xe, xo = (xc.to(tl.float32) * HALF_DOWN).reshape(BLOCK_M, SUB_K // 2, 2).split()
                 acc1 = _half_step(acc1, b, xe, xo, z[:, None], (s * HALF_UP)[:, None])
@@ -419,12 +425,8 @@ def _swap_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_
         kk = tl.multiple_of(k0, SUB_K)
         xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
         if SPLIT == 2:      # 16-bit inputs: q - z opened in PTX, times s in 16 bits
-            kb = tl.multiple_of(kk // 2, SUB_K // 2) + tl.arange(0, SUB_K // 2)
-            b = tl.load(q_rows + kb[None, :], mask=n_ok[:, None], other=0,
-                        eviction_policy="evict_first")
-            g = kk // GROUP
-            s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(wt)[:, None]
-            z = tl.load(z_ptr + g * N + n, mask=n_ok, other=0).to(tl.float32)
+            b, s, z = _codes_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, SUB_K)
+            s = s.to(wt)[:, None]
             lo, hi = _codes_pair_step(b, z[:, None], wt)
             if INTERPRET:   # its 16-bit products are wrong (bf16 as raw bits): fp32, rounded
                 lo = (lo.to(tl.float32) * s.to(tl.float32)).to(wt)
