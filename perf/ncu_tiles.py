@@ -23,21 +23,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from perf.kernels_bench import DEVICE, DT, LLAMA_MATMULS, random_packed_weight  # noqa: E402
 
 
-def chosen(kind: str, n: int, k: int):
-    """(label, a closure running the tuned one-row matmul) for kind's weights [n, k]."""
-    from pagedbackend.kernels import gemv_tuning, gemv_w4_tuning
+def operands(kind: str, n: int, k: int):
+    """(x, weight, scale): one random bf16 row and kind's random weights [n, k]: a 4-bit
+    PackedWeight (awq; scale None), bf16 (scale None), or e4m3 / int8 with per-row scales."""
     from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
     x = torch.randn(1, k, device=DEVICE, dtype=DT)
     if kind == "awq":
-        pw = random_packed_weight(n, k)
-        gemv_w4_tuning.packed_linear(x, pw, None)
-        cfg = gemv_w4_tuning._CHOICE[gemv_w4_tuning._key(x, pw, 0)]
-        return f"{cfg}", lambda: gemv_w4_tuning.packed_linear(x, pw, None)
+        return x, random_packed_weight(n, k), None
     w = torch.randn(n, k, device=DEVICE) / k ** 0.5
     if kind == "bf16":
-        w, sc = w.to(DT), None
-    else:
-        w, sc = (quantize_weight_fp8 if kind == "fp8" else quantize_weight_int8)(w)
+        return x, w.to(DT), None
+    return x, *(quantize_weight_fp8 if kind == "fp8" else quantize_weight_int8)(w)
+
+
+def chosen(kind: str, n: int, k: int):
+    """(label, a closure running the tuned one-row matmul) for kind's weights [n, k]."""
+    from pagedbackend.kernels import gemv_tuning, gemv_w4_tuning
+    x, w, sc = operands(kind, n, k)
+    if kind == "awq":
+        gemv_w4_tuning.packed_linear(x, w, None)
+        cfg = gemv_w4_tuning._CHOICE[gemv_w4_tuning._key(x, w, 0)]
+        return f"{cfg}", lambda: gemv_w4_tuning.packed_linear(x, w, None)
     out = gemv_tuning.maybe_skinny_linear(x, w, None, sc)
     cfg = gemv_tuning._choice(x, w, None, 0, sc)
     if out is None:
@@ -48,16 +54,9 @@ def chosen(kind: str, n: int, k: int):
 def given(kind: str, n: int, k: int, cfg: tuple):
     """(label, a closure running tile cfg) for kind's weights [n, k], no tuner."""
     from pagedbackend.kernels import gemv, gemv_w4
-    from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
-    x = torch.randn(1, k, device=DEVICE, dtype=DT)
+    x, w, sc = operands(kind, n, k)
     if kind == "awq":
-        pw = random_packed_weight(n, k)
-        return f"{cfg}", lambda: gemv_w4.packed_gemv(x, pw, None, cfg)
-    w = torch.randn(n, k, device=DEVICE) / k ** 0.5
-    if kind == "bf16":
-        w, sc = w.to(DT), None
-    else:
-        w, sc = (quantize_weight_fp8 if kind == "fp8" else quantize_weight_int8)(w)
+        return f"{cfg}", lambda: gemv_w4.packed_gemv(x, w, None, cfg)
     return f"{cfg}", lambda: gemv.skinny_linear(x, w, None, cfg, weight_scale=sc)
 
 
