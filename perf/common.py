@@ -90,7 +90,7 @@ def result_model(model: str, label: str) -> tuple[str, str]:
 AB_HELP = ("comma-separated variants to run after the main one in the same process, "
            "cumulative: noprefetch, pf<MB>, pfplain<MB>, mbt<N>, blaslt, ropekernel, "
            "oldtiles, eagerprefill, decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, "
-           "fp8oldtiles, fp8w8a8, awq, gptq, int8, pagedkv, nopdl, cublas; default runs the "
+           "fp8oldtiles, fp8w8a8, awq, gptq, int8, fp16, pagedkv, nopdl, cublas; default runs the "
            "default again (perf/common.run_variants)")
 
 
@@ -117,7 +117,8 @@ def run_variants(names: str, make_llm, body) -> None:
     of kernels/fp8_mma.py instead of the W8A16 tiles: fp8_mma.W8A8_DECODE),
     awq / gptq / int8 (make_llm(quantization=...): dummy 4-bit AWQ / GPTQ codes generated on
     the device, or int8 weights; one weight kind at a time, a later one replaces an earlier one
-    or fp8w),
+    or fp8w), fp16 (make_llm(dtype="float16"): activations in fp16, as AWQ checkpoints and
+    vLLM's AWQ run them),
     nopdl (plain launches), cublas (no skinny GEMM); a pf or mbt replaces an earlier one of its
     kind. Labels such as "noprefetch-nopdl". "default" undoes every switch and runs the
     default again (label "default-again", then "default-again-2", ...): an A-B-A order shows
@@ -140,11 +141,12 @@ def run_variants(names: str, make_llm, body) -> None:
         if kind(name) not in ("nopdl", "cublas", "pf", "mbt", "blaslt", "ropekernel",
                               "eagerprefill", "oldtiles", "decode3", "gridorder", "fp8kv",
                               "fp8n64", "weights", "fp8nofuse", "fp8oldtiles", "pagedkv",
-                              "fp8w8a8", "default"):
+                              "fp8w8a8", "fp16", "default"):
             raise SystemExit(f"--ab {name!r}: must be noprefetch, pf<MB>, pfplain<MB>, "
                              "mbt<N>, blaslt, ropekernel, eagerprefill, oldtiles, "
                              "decode3, gridorder, fp8kv, fp8n64, fp8w, fp8nofuse, fp8oldtiles, "
-                             "fp8w8a8, awq, gptq, int8, pagedkv, nopdl, cublas or default")
+                             "fp8w8a8, awq, gptq, int8, fp16, pagedkv, nopdl, cublas or "
+                             "default")
     steps, active, again = [("default", None)], [], 0
     for v in variants:
         if v == "default":      # later re-runs numbered: labels name the result files
@@ -203,6 +205,8 @@ def run_variants(names: str, make_llm, body) -> None:
             decode.FP8_BLOCK_N = 64
         elif switch == "fp8kv":
             overrides["kv_cache_dtype"] = "fp8"
+        elif switch == "fp16":
+            overrides["dtype"] = "float16"
         elif switch in WEIGHT_VARIANTS:
             overrides["quantization"] = WEIGHT_VARIANTS[switch]
         elif switch == "fp8nofuse":

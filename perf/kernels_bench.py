@@ -487,6 +487,41 @@ def bench_fp8mma():
               f"{blas:.1f} | {quant:.1f} | {p_us:.1f} {p_cfg or ''} |")
 
 
+def bench_w4_words():
+    """The one-row 4-bit tiles that read the codes as 32-bit words (gemv_w4.WORDS_CANDIDATES
+    and their split-K forms) against the HALF ones (HALF_CANDIDATES and theirs), llama-3.1-8b's
+    four matmuls in groups of 128, with fp16 and bf16 inputs; every tile checked against the
+    dequantized weight in fp32 (off by more than 1e-2: skipped). TB/s: the codes', scales' and
+    zeros' bytes."""
+    from pagedbackend.kernels import gemv_w4
+    table = []
+    for dt in (torch.float16, torch.bfloat16):
+        for name, n, k in LLAMA_MATMULS:
+            pw = random_packed_weight(n, k)
+            nbytes = n * k // 2 + k // 128 * n * 3
+            tbs = lambda t_us: f"{nbytes / (t_us * 1e-6) / 1e12:5.2f} TB/s"    # noqa: E731
+            x = torch.randn(1, k, device=DEVICE, dtype=dt)
+            ref = torch.nn.functional.linear(x.float(), pw.dequantize(torch.float32))
+
+            def run(cfg):
+                return gemv_w4.packed_gemv(x, pw, None, cfg)
+
+            def tiles(split):
+                return [c for c in gemv_w4.HALF_CANDIDATES + gemv_w4.WORDS_CANDIDATES
+                        + gemv_w4.KSPLIT_CANDIDATES if c[5] == split
+                        and (len(c) < 7 or k % (c[6] * 128) == 0)
+                        and gemv_w4.half_fits(c, 128, pw.qweight.stride(0))]
+            label = f"w4words {str(dt)[6:]} {name}"
+            half = _best_tile(tiles(2), run, ref, label, tbs)
+            words = _best_tile(tiles(3), run, ref, label, tbs)
+            table.append((f"{str(dt)[6:]} {name} N={n} K={k}", half, words, tbs(words[0])))
+    print("\n| input, shape (1 row, group 128) | best HALF tile us | best WORDS tile us "
+          "| HALF / WORDS | WORDS TB/s |\n|---|---:|---:|---:|---:|")
+    for shape, (h_us, h_cfg), (w_us, w_cfg), tb in table:
+        print(f"| {shape} | {h_us:.1f} {h_cfg} | {w_us:.1f} {w_cfg} | {h_us / w_us:.2f}x "
+              f"| {tb} |")
+
+
 def _best_tile(tiles, run, ref=None, label="w4", tbs=None) -> tuple[float, tuple | None]:
     """(us, tile) of the fastest of tiles, run(tile) graph-timed as the tuner times; a tile
     that fails to compile or run is printed and skipped. With ref (the product in fp32) every
@@ -515,7 +550,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also try a few tile configs")
     ap.add_argument("--only", default="",
                     help="comma-separated parts to run: decode, mixedlen, fp8, fp8in, prefill, "
-                         "mixed, elementwise, w4, w4wide, bytes, fp8mma, dequant (default: all)")
+                         "mixed, elementwise, w4, w4wide, w4words, bytes, fp8mma, dequant "
+                         "(default: all)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "kernels_bench needs a CUDA GPU"
     torch.manual_seed(0)
@@ -525,6 +561,7 @@ def main():
              "fp8": bench_decode_fp8, "fp8in": bench_fp8_inputs,
              "prefill": lambda: bench_prefill(args.sweep), "mixed": bench_mixed,
              "elementwise": bench_elementwise, "w4": bench_w4, "w4wide": bench_w4_wide,
+             "w4words": bench_w4_words,
              "bytes": bench_bytes, "fp8mma": bench_fp8mma, "dequant": bench_dequant}
     for name in (args.only.split(",") if args.only else parts):
         parts[name]()

@@ -130,6 +130,11 @@ for s in $stages; do
     w4bench) run w4bench 240 python3 perf/kernels_bench.py --only w4 ;;
     # the swap-AB W4A16 GEMM tiles' GPU parity, then each at 64, 512 and 8,192 rows against
     # dequantize + cuBLAS and bf16 cuBLAS (W2 with AWQ, issue 23), ~2 min
+    # the WORDS tiles (codes as 32-bit words): their GPU tests, then against HALF at one row
+    # (fp16 and bf16 inputs), then W1 AWQ bf16 and fp16 (the tuner choosing among both)
+    w4words) run w4wordstests 150 python3 -m pytest -q tests/test_quant_kernels.py -k "half or split_k"
+             run w4words 240 python3 perf/kernels_bench.py --only w4words ;;
+    w1awq16) run w1awq16 330 python3 perf/w1_decode.py --ab awq,fp16 ;;
     w4wide) run w4widetests 150 python3 -m pytest -q tests/test_quant_kernels.py -k swap_ab
             run w4wide 280 python3 perf/kernels_bench.py --only w4wide ;;
     w1quant) run w1quant 540 python3 perf/w1_decode.py --ab awq,gptq,int8 ;;

@@ -109,18 +109,19 @@ def test_split_tiles_are_4_bit_only():
     assert not set(gemv_w4.SPLIT_CANDIDATES) & set(tuning._tiles(1, pw8) + tuning._tiles(4, pw8))
 
 
-@pytest.mark.parametrize("cfg", [gemv_w4.HALF_CANDIDATES[0], (16, 256, 4, 3, False, 2)],
-                         ids=["half", "half_loop"])
+@pytest.mark.parametrize("cfg", [gemv_w4.HALF_CANDIDATES[0], (16, 256, 4, 3, False, 2),
+                                 gemv_w4.WORDS_CANDIDATES[0], (32, 128, 4, 3, False, 3)],
+                         ids=["half", "half_loop", "words", "words_loop"])
 @pytest.mark.parametrize("group", [128, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_tiles_match_dequantize_then_matmul(cfg, group, dtype):
-    """The fp16-pair tiles at one row, with and without a bias, against the fp32 reference:
-    within 1e-2 (sums of sixteen products in fp16). On the GPU this runs their PTX; the CPU
-    interpreter runs its fp32 stand-in (the same sum, per byte)."""
+    """The fp16-pair tiles (HALF, WORDS) at one row, with and without a bias, against the
+    fp32 reference: within 1e-2 (sums of sixteen products in fp16). On the GPU this runs their
+    PTX; the CPU interpreter runs its fp32 stand-in (the same sum, per byte or word)."""
     n, k = (6144, 4096) if CUDA else (256, 512)     # N a multiple of BLOCK_N: 128, 16
     pw = packed_weight(n, k, 4, group)
-    if not gemv_w4.half_fits(cfg, group):
-        pytest.skip(f"{cfg} gives a thread fewer than 8 code bytes at group {group}")
+    if not gemv_w4.half_fits(cfg, group, pw.qweight.stride(0)):
+        pytest.skip(f"{cfg} gives a thread fewer code bytes than it takes at group {group}")
     w = torch_dequantize(pw)
     for with_bias in (False, True):
         check_packed_gemv(pw, w, cfg, 1, dtype, with_bias, 1e-2)
@@ -128,34 +129,45 @@ def test_half_tiles_match_dequantize_then_matmul(cfg, group, dtype):
 
 def test_half_tiles_are_one_16_bit_row_with_8_bytes_a_thread():
     pw = packed_weight(128, 256, 4, 64)
-    half = gemv_w4.HALF_CANDIDATES[0]
-    for x, prologue in ((torch.randn(2, 256, device=DEV).bfloat16(), gemv_w4.PLAIN),
-                        (torch.randn(1, 256, device=DEV), gemv_w4.PLAIN)):
-        with pytest.raises(AssertionError, match="HALF tile"):
-            gemv_w4.packed_gemv(x, pw, None, half, prologue)
+    half, words = gemv_w4.HALF_CANDIDATES[0], gemv_w4.WORDS_CANDIDATES[0]
+    for cfg in (half, words):
+        for x, prologue in ((torch.randn(2, 256, device=DEV).bfloat16(), gemv_w4.PLAIN),
+                            (torch.randn(1, 256, device=DEV), gemv_w4.PLAIN)):
+            with pytest.raises(AssertionError, match="HALF / WORDS tile"):
+                gemv_w4.packed_gemv(x, pw, None, cfg, prologue)
     # 16 rows x a 64-column piece (32 bytes) over 128 threads: 4 bytes a thread
     assert gemv_w4.half_fits((16, 1024, 4, 3, False, 2), 128)
     assert not gemv_w4.half_fits((16, 1024, 4, 3, False, 2), 64)
+    # WORDS: 16 bytes a thread in one load, so rows of codes a multiple of 16 bytes
+    assert gemv_w4.half_fits((32, 128, 4, 3, False, 3), 128, 2048)
+    assert not gemv_w4.half_fits((32, 128, 4, 3, False, 3), 64, 2048)
+    assert not gemv_w4.half_fits((32, 128, 4, 3, False, 3), 128, 2056)
     tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
     one = set(tuning._tiles(1, pw))
-    assert half in one and (16, 1024, 4, 3, False, 2) not in one
-    assert not set(gemv_w4.HALF_CANDIDATES) & (set(tuning._tiles(1, pw, torch.float32))
-                                               | set(tuning._tiles(2, pw)))
-    assert not set(gemv_w4.HALF_CANDIDATES) & set(tuning._tiles(1, packed_weight(40, 128, 8, 64)))
+    assert {half, words} <= one and (16, 1024, 4, 3, False, 2) not in one
+    # K 200: 100 code bytes a row
+    assert not set(gemv_w4.WORDS_CANDIDATES) & set(tuning._tiles(1, packed_weight(128, 200, 4,
+                                                                                   40)))
+    for cands in (gemv_w4.HALF_CANDIDATES, gemv_w4.WORDS_CANDIDATES):
+        assert not set(cands) & (set(tuning._tiles(1, pw, torch.float32))
+                                 | set(tuning._tiles(2, pw)))
+        assert not set(cands) & set(tuning._tiles(1, packed_weight(40, 128, 8, 64)))
 
 
 @pytest.mark.parametrize("cfg", [(64, 256, 4, 3, False, 2, 4), (16, 128, 2, 3, False, 2, 2),
+                                 (128, 256, 4, 3, False, 3, 4), (32, 128, 2, 3, False, 3, 2),
                                  (16, 1024, 4, 3, False, True, 2), (8, 128, 2, 3, False, True, 4),
                                  (16, 64, 2, 4, False, 0, 2)],
-                         ids=["half4", "half2_loop", "split2", "split4_loop", "byte2"])
+                         ids=["half4", "half2_loop", "words4", "words2_loop", "split2",
+                              "split4_loop", "byte2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_split_k_tiles_match_dequantize_then_matmul(cfg, dtype):
     """K split over programs whose last adds the fp32 sums: one row, with and without a bias,
     as the tiles without a split are compared (fp32 1e-5, 16-bit 1e-2); the same bits on a
     second launch (the count of finished splits went back to 0, the sum's order is fixed) and
     after a launch of another shape (the workspace is shared)."""
-    if cfg[5] == 2 and dtype == torch.float32:
-        pytest.skip("HALF tiles take a 16-bit row")
+    if cfg[5] in (2, 3) and dtype == torch.float32:
+        pytest.skip("HALF and WORDS tiles take a 16-bit row")
     n, k = (6144, 4096) if CUDA else (80, 512)      # N not a multiple of every BLOCK_N
     group = 64
     pw = packed_weight(n, k, 4, group)

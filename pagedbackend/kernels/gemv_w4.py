@@ -53,6 +53,8 @@ SPLIT_CANDIDATES = ((16, 1024, 4, 3, False, True), (32, 512, 4, 4, False, True),
 KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
                      (128, 256, 4, 3, False, 2, 4), (64, 256, 4, 3, False, 2, 8),
                      (32, 512, 4, 4, False, 2, 4), (32, 512, 4, 4, False, 2, 2),
+                     (64, 256, 4, 3, False, 3, 2), (128, 256, 4, 3, False, 3, 4),
+                     (64, 256, 4, 3, False, 3, 4), (128, 256, 4, 3, False, 3, 2),
                      (16, 1024, 4, 3, False, True, 2),
                      (32, 512, 4, 4, False, True, 4), (16, 512, 4, 4, False, True, 4))
 # wider steps: swap-AB GEMM tiles ("t", BLOCK_N, BLOCK_M, SUB_K, num_warps, num_stages, SPLIT),
@@ -138,6 +140,16 @@ def _nibbles_piece(q_rows, n_ok, k0, s_ptr, z_ptr, n, N, GROUP: tl.constexpr,
 HALF_CANDIDATES = ((128, 256, 4, 3, False, 2), (64, 256, 4, 3, False, 2),
                    (64, 512, 4, 3, False, 2), (32, 512, 4, 4, False, 2),
                    (32, 256, 4, 3, False, 2), (16, 1024, 4, 3, False, 2))
+# WORDS tiles (SPLIT = 3; one row, 16-bit inputs, no prologue): the codes read as 32-bit words
+# of eight weights, each opened in PTX by one shift and four lop3 into fp16 pairs of exact
+# (q - z) / 128 against the input columns paired to match, (x0, x4), (x1, x5), ...: per word
+# 13 instructions (shift, lop3 x 4, zero x 4, products x 4), then per four words one widening
+# into fp32 with the scale (_words_step). The input is paired once per thread and column
+# (_input_pairs), shared by the thread's rows; each thread reads sixteen code bytes of a row
+# (one scale and zero point for 32 weights, where HALF's threads take eight).
+WORDS_CANDIDATES = ((64, 256, 4, 3, False, 3), (128, 256, 4, 3, False, 3),
+                    (128, 256, 8, 3, False, 3), (64, 512, 4, 3, False, 3),
+                    (32, 512, 4, 4, False, 3))
 # the input times 2^-6 in fp16 (exact: a power of two), the scale times 2^6 to undo it: sixteen
 # products summed in fp16 reach 8 * 15 * |x| / 64, so inputs up to ~35,000 stay finite
 HALF_DOWN, HALF_UP = tl.constexpr(2.0 ** -6), tl.constexpr(2.0 ** 6)
@@ -207,6 +219,123 @@ def _half_step(acc, b, xe, xo, z, s):
     return out
 
 
+# WORDS (pack=4: four code words of one row, 32 weights): $0-$3 the fp32 accumulators out,
+# $4-$7 in, $8-$11 the code words (nibble i of a word = column i of its eight), $12-$27 the
+# input pairs of each word: $12-$15 (x0, x4), $16-$19 (x1, x5), $20-$23 (x2, x6), $24-$27
+# (x3, x7), as fp16 pairs (_input_pairs), $28 the row's zero point z twice (fp16), $30 its scale.
+# lop3 (w & 0x000F000F) | 1024 reads (1024 + q0, 1024 + q4), (w & 0x00F000F0) | 1024 reads
+# (1024 + 16 q1, 1024 + 16 q5); the word shifted by 8 gives columns 2, 6 and 3, 7 the same way.
+# Times 2^-7 (2^-11) plus -(8 + z / 128) (-(0.5 + z / 128)) is (q - z) / 128, exact in fp16;
+# the products summed in two fp16 pairs (eight each), added, widened, added in fp32 and
+# multiplied by the scale into the first accumulator (the caller multiplies the sum by 128).
+_WORD_PTX = """lop3.b32 l, {w}, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 h, {w}, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 t, {w}, 8;
+fma.rn.f16x2 l, l, cl, zl;
+fma.rn.f16x2 h, h, ch, zh;
+fma.rn.f16x2 a0, {p0}, l, a0;
+fma.rn.f16x2 a1, {p1}, h, a1;
+lop3.b32 l, t, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 h, t, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 l, l, cl, zl;
+fma.rn.f16x2 h, h, ch, zh;
+fma.rn.f16x2 a0, {p2}, l, a0;
+fma.rn.f16x2 a1, {p3}, h, a1;
+"""
+_WORDS_ASM = tl.constexpr("""{
+.reg .b32 t, l, h, a0, a1, cl, ch, zl, zh, c;
+.reg .b16 u0, u1;
+.reg .f32 f0, f1;
+mov.b32 a0, 0;
+mov.b32 a1, 0;
+mov.b32 cl, 0x20002000;
+mov.b32 ch, 0x10001000;
+mov.b32 c, 0xA000A000;
+mov.b32 zl, 0xC800C800;
+mov.b32 zh, 0xB800B800;
+fma.rn.f16x2 zl, $28, c, zl;
+fma.rn.f16x2 zh, $28, c, zh;
+""" + "".join(_WORD_PTX.format(w=f"${8 + i}", p0=f"${12 + i}", p1=f"${16 + i}",
+                               p2=f"${20 + i}", p3=f"${24 + i}") for i in range(4)) + """\
+add.rn.f16x2 a0, a0, a1;
+mov.b32 {u0, u1}, a0;
+cvt.f32.f16 f0, u0;
+cvt.f32.f16 f1, u1;
+add.rn.f32 f0, f0, f1;
+fma.rn.f32 $0, f0, $30, $4;
+mov.b32 $1, $5;
+mov.b32 $2, $6;
+mov.b32 $3, $7;
+}""")
+_WORDS_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 30))
+WORDS_UP = tl.constexpr(128.0)
+
+# _input_pairs: $4 = x0..x3 and $5 = x4..x7 (16-bit, one 64-bit load each) -> $0 (x0, x4),
+# $1 (x1, x5), $2 (x2, x6), $3 (x3, x7) as fp16 pairs: fp16 inputs by prmt alone, bf16 ones
+# widened to fp32 (a shift or a mask) and rounded to fp16 in pairs
+_PAIRS_FROM_F16 = tl.constexpr("""{
+.reg .b32 a0, a1, b0, b1;
+mov.b64 {a0, a1}, $4;
+mov.b64 {b0, b1}, $5;
+prmt.b32 $0, a0, b0, 0x5410;
+prmt.b32 $1, a0, b0, 0x7632;
+prmt.b32 $2, a1, b1, 0x5410;
+prmt.b32 $3, a1, b1, 0x7632;
+}""")
+_PAIRS_FROM_BF16 = tl.constexpr("""{
+.reg .b32 a0, a1, b0, b1, lo, hi;
+mov.b64 {a0, a1}, $4;
+mov.b64 {b0, b1}, $5;
+shl.b32 lo, a0, 16;
+shl.b32 hi, b0, 16;
+cvt.rn.f16x2.f32 $0, hi, lo;
+and.b32 lo, a0, 0xFFFF0000;
+and.b32 hi, b0, 0xFFFF0000;
+cvt.rn.f16x2.f32 $1, hi, lo;
+shl.b32 lo, a1, 16;
+shl.b32 hi, b1, 16;
+cvt.rn.f16x2.f32 $2, hi, lo;
+and.b32 lo, a1, 0xFFFF0000;
+and.b32 hi, b1, 0xFFFF0000;
+cvt.rn.f16x2.f32 $3, hi, lo;
+}""")
+
+
+@triton.jit
+def _input_pairs(x_row, kk, SUB_K: tl.constexpr, BF16: tl.constexpr):
+    """The one input row's columns kk.. as WORDS takes them: four int32 [1, SUB_K / 8], word
+    j's (x0, x4), (x1, x5), (x2, x6), (x3, x7) of its eight columns as fp16 pairs."""
+    j = tl.arange(0, SUB_K // 8)[None, :]
+    x64 = x_row.to(tl.pointer_type(tl.int64)) + tl.multiple_of(kk // 4, SUB_K // 4)
+    a = tl.load(x64 + 2 * j)
+    b = tl.load(x64 + 2 * j + 1)
+    return tl.inline_asm_elementwise(_PAIRS_FROM_BF16 if BF16 else _PAIRS_FROM_F16,
+                                     "=r,=r,=r,=r,l,l", [a, b], dtype=(tl.int32,) * 4,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _words_step(acc, w, x_row, kk, z, s, SUB_K: tl.constexpr, BF16: tl.constexpr):
+    """acc [BLOCK_N, SUB_K / 8] fp32 plus, per code word w (int32 [BLOCK_N, SUB_K / 8], eight
+    4-bit codes of a row, column i in nibble i) of the piece at input columns kk.., s * sum(x
+    (q - z)) / 128 (z, s [BLOCK_N, 1] fp32: the rows' zero points and scales): in PTX, four
+    words of a row a call (_WORDS_ASM), into the first word's accumulator. The CPU interpreter
+    cannot run PTX: it adds each word's eight products in fp32 to its own accumulator (the same
+    sum once the caller reduces the row)."""
+    if INTERPRET:
+        j = tl.arange(0, SUB_K // 8)[None, :]
+        out = acc
+        for i in tl.static_range(8):
+            xi = tl.load(x_row + kk + 8 * j + i).to(tl.float32)
+            out += s * xi * (((w >> (4 * i)) & 0xF).to(tl.float32) - z) * (1.0 / WORDS_UP)
+    else:
+        p0, p1, p2, p3 = _input_pairs(x_row, kk, SUB_K, BF16)
+        out = tl.inline_asm_elementwise(
+            _WORDS_ASM, _WORDS_CONSTRAINTS, [acc, w, p0, p1, p2, p3, z.to(tl.float16), s],
+            dtype=tl.float32, is_pure=True, pack=4)
+    return out
+
+
 @triton.jit
 def split_k_sum(part, ws_ptr, cnt_ptr, tile, ks, mn, ok, MN, KSPLIT: tl.constexpr):
     """Split ks's fp32 sums `part` of output tile `tile` to the workspace [KSPLIT, MN] (at
@@ -228,8 +357,8 @@ def split_k_sum(part, ws_ptr, cnt_ptr, tile, ks, mn, ok, MN, KSPLIT: tl.constexp
 
 @triton.jit
 def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps,
-                        ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, stride_rm, stride_rom,
-                        GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        ws_ptr, cnt_ptr, M, N, K, stride_q, stride_xm, stride_ym, stride_rm,
+                        stride_rom, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, KSPLIT: tl.constexpr,
                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr,
@@ -243,7 +372,9 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
     n_ok = n < N
     m = tl.arange(0, BLOCK_M)       # every row of the step (M <= MAX_ROWS)
     m_ok = (m < M)[:, None]
-    q_rows = q_ptr + n.to(tl.int64)[:, None] * (K * BITS // 8)
+    # stride_q (the codes' bytes a row, K * BITS / 8) an argument: a multiple of 16 where it is
+    # one, which lets the code loads take 16 bytes a thread
+    q_rows = q_ptr + n.to(tl.int64)[:, None] * stride_q
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     # the prologues of gemv.py's kernel (RMSNorm, residual add + RMSNorm, SiLU * up), by its
     # _input_tile; program 0 of the N axis alone writes the residual sum
@@ -256,12 +387,13 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
     pdl_trigger(USE_PDL)
     if PREFETCH:
         if pid < prefetch_programs and ks == 0:
-            l2_prefetch(q_ptr + pid * BLOCK_N * (K * BITS // 8), BLOCK_N * (K * BITS // 8))
+            l2_prefetch(q_ptr + pid * BLOCK_N * stride_q, BLOCK_N * stride_q)
     pdl_wait(USE_PDL)
     if USE_DOT:
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     elif BLOCK_M == 1:
-        acc1 = tl.zeros([BLOCK_N, SUB_K // (1 + (SPLIT > 0))], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, SUB_K // (8 if SPLIT == 3 else 1 + (SPLIT > 0))],
+                        dtype=tl.float32)
     else:
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, SUB_K // (1 + (SPLIT > 0))], dtype=tl.float32)
     # BLOCK_K columns per iteration in pieces of SUB_K, each inside one group: several groups'
@@ -277,7 +409,16 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
     for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
         for i in tl.static_range(BLOCK_K // SUB_K):
             kk = tl.multiple_of(k0 + i * SUB_K, SUB_K)
-            if SPLIT == 2:     # HALF: one row, no prologue (HALF_CANDIDATES)
+            if SPLIT == 3:     # WORDS: one row, no prologue (WORDS_CANDIDATES)
+                kw = tl.multiple_of(kk // 8, SUB_K // 8) + tl.arange(0, SUB_K // 8)
+                w = tl.load(q_rows.to(tl.pointer_type(tl.int32)) + kw[None, :],
+                            mask=n_ok[:, None], other=0, eviction_policy="evict_first")
+                g = kk // GROUP
+                s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + g * N + n, mask=n_ok, other=0).to(tl.float32)
+                acc1 = _words_step(acc1, w, x_ptr, kk, z[:, None], s[:, None], SUB_K,
+                                   x_ptr.dtype.element_ty == tl.bfloat16)
+            elif SPLIT == 2:     # HALF: one row, no prologue (HALF_CANDIDATES)
                 b, s, z = _codes_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, SUB_K)
                 xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
                 xe, xo = (xc.to(tl.float32) * HALF_DOWN).reshape(BLOCK_M, SUB_K // 2, 2).split()
@@ -327,6 +468,8 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         y = acc2
     elif BLOCK_M == 1:
         y = tl.sum(acc1, axis=1)[None, :]
+        if SPLIT == 3:
+            y = y * WORDS_UP
     else:
         y = tl.sum(acc3, axis=2)
     if PROLOGUE == 1 or PROLOGUE == 2:
@@ -465,11 +608,16 @@ def _dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, BITS:
              mask=n_ok[:, None])
 
 
-def half_fits(config: tuple, group: int) -> bool:
-    """Whether a HALF tile gives each thread eight code bytes (or more) of a piece: _half_step
-    takes eight consecutive bytes of one row at a time."""
-    block_n, block_k, warps = config[:3]
-    return block_n * _block_k(block_k, group) // 2 >= 8 * 32 * warps
+def half_fits(config: tuple, group: int, row_bytes: int = 0) -> bool:
+    """Whether a HALF tile (SPLIT 2) gives each thread eight code bytes (or more) of a piece
+    (_half_step takes eight consecutive bytes of one row at a time), or a WORDS tile (SPLIT 3)
+    sixteen in one 16-byte load (_words_step takes four words of one row: rows of codes
+    `row_bytes` long, a multiple of 16, pieces of 32 columns or more)."""
+    block_n, block_k, warps, _, _, split = config[:6]
+    sub_k = _block_k(block_k, group)
+    if split == 3:
+        return row_bytes % 16 == 0 and sub_k >= 32 and block_n * sub_k // 2 >= 16 * 32 * warps
+    return block_n * sub_k // 2 >= 8 * 32 * warps
 
 
 def _tile_k(want: int, group: int, k: int) -> tuple[int, int]:
@@ -569,7 +717,8 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         return _swap_gemm(x, pw, bias, config, prologue)
     block_n, block_k, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
-    # SPLIT_CANDIDATES (1), HALF_CANDIDATES (2); a seventh element splits K (KSPLIT_CANDIDATES)
+    # SPLIT_CANDIDATES (1), HALF_CANDIDATES (2), WORDS_CANDIDATES (3); a seventh element
+    # splits K (KSPLIT_CANDIDATES)
     split = int(dot[1]) if not use_dot and len(dot) > 1 else 0
     ksplit = int(dot[2]) if not use_dot and len(dot) > 2 else 1
     assert ksplit == 1 or prologue == PLAIN and m <= MAX_ROWS and k % (ksplit * pw.group_size) \
@@ -578,10 +727,13 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     assert 1 <= m <= MAX_ROWS and x.stride(1) == 1 and pw.g_idx is None
     assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     assert not split or pw.bits == 4, f"SPLIT tiles read 4-bit codes, not {pw.bits}-bit"
-    assert split != 2 or m == 1 and prologue == PLAIN and x.dtype != torch.float32 \
-        and half_fits(config, pw.group_size), f"HALF tile {config} takes one 16-bit row, " \
-        f"no prologue and 8 code bytes a thread, not {m} rows of {x.dtype}, prologue " \
-        f"{prologue}, group {pw.group_size}"
+    assert split < 2 or m == 1 and prologue == PLAIN and x.dtype != torch.float32 \
+        and half_fits(config, pw.group_size, pw.qweight.stride(0)), f"HALF / WORDS tile " \
+        f"{config} takes one 16-bit row, no prologue and 8 / 16 code bytes a thread, not {m} " \
+        f"rows of {x.dtype}, prologue {prologue}, group {pw.group_size}, " \
+        f"{pw.qweight.stride(0)} code bytes a row"
+    if split == 3 and x.data_ptr() % 16:    # WORDS reads the input in 8-byte loads
+        x = x.clone()
     block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     r = r_out = x
@@ -600,7 +752,8 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     _packed_gemv_kernel[(tiles, 1, ksplit)](
         x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, r, r_out,
         norm_weight if norm_weight is not None else y, eps, ws, counts, m, n, k,
-        x.stride(0), y.stride(0), r.stride(0), r_out.stride(0), GROUP=pw.group_size,
+        pw.qweight.stride(0), x.stride(0), y.stride(0), r.stride(0), r_out.stride(0),
+        GROUP=pw.group_size,
         BITS=pw.bits, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=split, KSPLIT=ksplit,
         USE_DOT=use_dot,

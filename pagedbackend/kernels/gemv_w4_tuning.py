@@ -22,7 +22,8 @@ import triton
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL
 from pagedbackend.kernels.gemv_w4 import (CANDIDATES, DOT_CANDIDATES, HALF_CANDIDATES,
                                           KSPLIT_CANDIDATES, MAX_ROWS, SPLIT_CANDIDATES,
-                                          SWAP_CANDIDATES, _block_k, half_fits, packed_gemv)
+                                          SWAP_CANDIDATES, WORDS_CANDIDATES, _block_k, half_fits,
+                                          packed_gemv)
 
 logger = logging.getLogger("pagedbackend")
 
@@ -116,12 +117,13 @@ def _tiles(rows: int, pw, dtype: torch.dtype = torch.bfloat16) -> tuple:
     fma = CANDIDATES + (SPLIT_CANDIDATES if pw.bits == 4 else ())
     if rows == 1:
         half_ok = pw.bits == 4 and dtype != torch.float32
-        half = tuple(c for c in HALF_CANDIDATES if half_fits(c, pw.group_size)) \
-            if half_ok else ()
-        # split-K: whole groups per split, SPLIT / HALF tiles as above
+        row = pw.qweight.stride(0)
+        half = tuple(c for c in HALF_CANDIDATES + WORDS_CANDIDATES
+                     if half_fits(c, pw.group_size, row)) if half_ok else ()
+        # split-K: whole groups per split, SPLIT / HALF / WORDS tiles as above
         ksplit = tuple(c for c in KSPLIT_CANDIDATES
                        if pw.bits == 4 and pw.shape[1] % (c[6] * pw.group_size) == 0
-                       and (c[5] != 2 or half_ok and half_fits(c, pw.group_size)))
+                       and (c[5] is True or half_ok and half_fits(c, pw.group_size, row)))
         return fma + half + ksplit
     return tuple(c for c in fma
                  if rows * c[0] * _block_k(c[1], pw.group_size) <= 64 * 32 * c[2]) \
@@ -153,7 +155,7 @@ def _tune(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
         tiles = _tiles(rows, pw, dt)
     else:       # HALF and split-K tiles take no prologue
         tiles = [c for c in _RANKED.get(_key(x, pw, PLAIN), [])
-                 if len(c) < 6 or c[5] != 2 and len(c) < 7][:FUSED_TRIES]
+                 if len(c) < 6 or c[5] in (False, True) and len(c) < 7][:FUSED_TRIES]
         if prologue == SILU_MUL:
             what, baseline = "silu_mul+", lambda: matmul(silu_and_mul(gu))
             kernel = lambda cfg: packed_gemv(gu, pw, None, cfg, SILU_MUL)       # noqa: E731
