@@ -134,7 +134,7 @@ for s in $stages; do
     # (fp16 and bf16 inputs), then W1 AWQ bf16 and fp16 (the tuner choosing among both)
     w4words) run w4wordstests 150 python3 -m pytest -q tests/test_quant_kernels.py -k "half or split_k"
              run w4words 240 python3 perf/kernels_bench.py --only w4words ;;
-    w1awq16) run w1awq16 330 python3 perf/w1_decode.py --ab awq,fp16 ;;
+    w1awq16) run w1awq16 300 python3 perf/w1_decode.py --quantization awq --suffix awq --ab fp16 ;;
     w4wide) run w4widetests 150 python3 -m pytest -q tests/test_quant_kernels.py -k swap_ab
             run w4wide 280 python3 perf/kernels_bench.py --only w4wide ;;
     w1quant) run w1quant 540 python3 perf/w1_decode.py --ab awq,gptq,int8 ;;
