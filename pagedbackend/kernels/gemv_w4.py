@@ -306,7 +306,7 @@ def _input_pairs(x_row, kk, SUB_K: tl.constexpr, BF16: tl.constexpr):
     """The one input row's columns kk.. as WORDS takes them: four int32 [1, SUB_K / 8], word
     j's (x0, x4), (x1, x5), (x2, x6), (x3, x7) of its eight columns as fp16 pairs."""
     j = tl.arange(0, SUB_K // 8)[None, :]
-    x64 = x_row.to(tl.pointer_type(tl.int64)) + tl.multiple_of(kk // 4, SUB_K // 4)
+    x64 = x_row.to(tl.pointer_type(tl.int64)) + tl.multiple_of(kk >> 2, SUB_K // 4)
     a = tl.load(x64 + 2 * j)
     b = tl.load(x64 + 2 * j + 1)
     return tl.inline_asm_elementwise(_PAIRS_FROM_BF16 if BF16 else _PAIRS_FROM_F16,
@@ -410,10 +410,11 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         for i in tl.static_range(BLOCK_K // SUB_K):
             kk = tl.multiple_of(k0 + i * SUB_K, SUB_K)
             if SPLIT == 3:     # WORDS: one row, no prologue (WORDS_CANDIDATES)
-                kw = tl.multiple_of(kk // 8, SUB_K // 8) + tl.arange(0, SUB_K // 8)
+                # kk >= 0: shifts and an unsigned division, not signed ones' fix-ups
+                kw = tl.multiple_of(kk >> 3, SUB_K // 8) + tl.arange(0, SUB_K // 8)
                 w = tl.load(q_rows.to(tl.pointer_type(tl.int32)) + kw[None, :],
                             mask=n_ok[:, None], other=0, eviction_policy="evict_first")
-                g = kk // GROUP
+                g = (kk.to(tl.uint32) // GROUP).to(tl.int32)
                 s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + g * N + n, mask=n_ok, other=0).to(tl.float32)
                 acc1 = _words_step(acc1, w, x_ptr, kk, z[:, None], s[:, None], SUB_K,
