@@ -54,7 +54,8 @@ KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
                      (128, 256, 4, 3, False, 2, 4), (64, 256, 4, 3, False, 2, 8),
                      (32, 512, 4, 4, False, 2, 4), (32, 512, 4, 4, False, 2, 2),
                      (64, 256, 4, 3, False, 3, 2), (128, 256, 4, 3, False, 3, 4),
-                     (64, 256, 4, 3, False, 3, 4), (128, 256, 4, 3, False, 3, 2),
+                     (64, 128, 4, 3, False, 3, 4), (128, 128, 4, 3, False, 3, 2),
+                     (128, 128, 4, 3, False, 3, 4), (64, 128, 4, 3, False, 3, 8),
                      (16, 1024, 4, 3, False, True, 2),
                      (32, 512, 4, 4, False, True, 4), (16, 512, 4, 4, False, True, 4))
 # wider steps: swap-AB GEMM tiles ("t", BLOCK_N, BLOCK_M, SUB_K, num_warps, num_stages, SPLIT),
@@ -145,11 +146,12 @@ HALF_CANDIDATES = ((128, 256, 4, 3, False, 2), (64, 256, 4, 3, False, 2),
 # (q - z) / 128 against the input columns paired to match, (x0, x4), (x1, x5), ...: per word
 # 13 instructions (shift, lop3 x 4, zero x 4, products x 4), then per four words one widening
 # into fp32 with the scale (_words_step). The input is paired once per thread and column
-# (_input_pairs), shared by the thread's rows; each thread reads sixteen code bytes of a row
-# (one scale and zero point for 32 weights, where HALF's threads take eight).
+# (_PAIRS_FROM_F16 / _BF16), shared by the thread's rows; each thread reads sixteen code bytes of a row
+# (one scale and zero point for 32 weights, where HALF's threads take eight). A BLOCK_K of
+# one piece (inside a group) loads each iteration's codes an iteration ahead (_words_sum).
 WORDS_CANDIDATES = ((64, 256, 4, 3, False, 3), (128, 256, 4, 3, False, 3),
-                    (128, 256, 8, 3, False, 3), (64, 512, 4, 3, False, 3),
-                    (32, 512, 4, 4, False, 3))
+                    (64, 128, 4, 3, False, 3), (128, 128, 4, 3, False, 3),
+                    (128, 128, 8, 3, False, 3), (256, 128, 8, 3, False, 3))
 # the input times 2^-6 in fp16 (exact: a power of two), the scale times 2^6 to undo it: sixteen
 # products summed in fp16 reach 8 * 15 * |x| / 64, so inputs up to ~35,000 stay finite
 HALF_DOWN, HALF_UP = tl.constexpr(2.0 ** -6), tl.constexpr(2.0 ** 6)
@@ -222,7 +224,7 @@ def _half_step(acc, b, xe, xo, z, s):
 # WORDS (pack=4: four code words of one row, 32 weights): $0-$3 the fp32 accumulators out,
 # $4-$7 in, $8-$11 the code words (nibble i of a word = column i of its eight), $12-$27 the
 # input pairs of each word: $12-$15 (x0, x4), $16-$19 (x1, x5), $20-$23 (x2, x6), $24-$27
-# (x3, x7), as fp16 pairs (_input_pairs), $28 the row's zero point z twice (fp16), $30 its scale.
+# (x3, x7), as fp16 pairs, $28 the row's zero point z twice (fp16), $30 its scale.
 # lop3 (w & 0x000F000F) | 1024 reads (1024 + q0, 1024 + q4), (w & 0x00F000F0) | 1024 reads
 # (1024 + 16 q1, 1024 + 16 q5); the word shifted by 8 gives columns 2, 6 and 3, 7 the same way.
 # Times 2^-7 (2^-11) plus -(8 + z / 128) (-(0.5 + z / 128)) is (q - z) / 128, exact in fp16;
@@ -270,7 +272,7 @@ mov.b32 $3, $7;
 _WORDS_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 30))
 WORDS_UP = tl.constexpr(128.0)
 
-# _input_pairs: $4 = x0..x3 and $5 = x4..x7 (16-bit, one 64-bit load each) -> $0 (x0, x4),
+# The input's pairs: $4 = x0..x3 and $5 = x4..x7 (16-bit, one 64-bit load each) -> $0 (x0, x4),
 # $1 (x1, x5), $2 (x2, x6), $3 (x3, x7) as fp16 pairs: fp16 inputs by prmt alone, bf16 ones
 # widened to fp32 (a shift or a mask) and rounded to fp16 in pairs
 _PAIRS_FROM_F16 = tl.constexpr("""{
@@ -302,38 +304,72 @@ cvt.rn.f16x2.f32 $3, hi, lo;
 
 
 @triton.jit
-def _input_pairs(x_row, kk, SUB_K: tl.constexpr, BF16: tl.constexpr):
-    """The one input row's columns kk.. as WORDS takes them: four int32 [1, SUB_K / 8], word
-    j's (x0, x4), (x1, x5), (x2, x6), (x3, x7) of its eight columns as fp16 pairs."""
-    j = tl.arange(0, SUB_K // 8)[None, :]
-    x64 = x_row.to(tl.pointer_type(tl.int64)) + tl.multiple_of(kk >> 2, SUB_K // 4)
-    a = tl.load(x64 + 2 * j)
-    b = tl.load(x64 + 2 * j + 1)
-    return tl.inline_asm_elementwise(_PAIRS_FROM_BF16 if BF16 else _PAIRS_FROM_F16,
-                                     "=r,=r,=r,=r,l,l", [a, b], dtype=(tl.int32,) * 4,
-                                     is_pure=True, pack=1)
-
-
-@triton.jit
-def _words_step(acc, w, x_row, kk, z, s, SUB_K: tl.constexpr, BF16: tl.constexpr):
+def _words_step(acc, w, x_ptr, kk, z, s, SUB_K: tl.constexpr, BF16: tl.constexpr):
     """acc [BLOCK_N, SUB_K / 8] fp32 plus, per code word w (int32 [BLOCK_N, SUB_K / 8], eight
-    4-bit codes of a row, column i in nibble i) of the piece at input columns kk.., s * sum(x
-    (q - z)) / 128 (z, s [BLOCK_N, 1] fp32: the rows' zero points and scales): in PTX, four
-    words of a row a call (_WORDS_ASM), into the first word's accumulator. The CPU interpreter
-    cannot run PTX: it adds each word's eight products in fp32 to its own accumulator (the same
-    sum once the caller reduces the row)."""
+    4-bit codes of a row, column i in nibble i) of the piece at input columns kk.. (inside one
+    group), s * sum(x (q - z)) / 128 (z, s [BLOCK_N, 1] fp32: the rows' zero points and
+    scales), x the one 16-bit input row: in PTX, four words of a row a call (_WORDS_ASM), into
+    the first word's accumulator. The CPU interpreter cannot run PTX: it adds each word's
+    eight products in fp32 to its own accumulator (the same sum once the caller reduces)."""
+    wcol = tl.arange(0, SUB_K // 8)[None, :]
     if INTERPRET:
-        j = tl.arange(0, SUB_K // 8)[None, :]
         out = acc
         for i in tl.static_range(8):
-            xi = tl.load(x_row + kk + 8 * j + i).to(tl.float32)
+            xi = tl.load(x_ptr + kk + 8 * wcol + i).to(tl.float32)
             out += s * xi * (((w >> (4 * i)) & 0xF).to(tl.float32) - z) * (1.0 / WORDS_UP)
     else:
-        p0, p1, p2, p3 = _input_pairs(x_row, kk, SUB_K, BF16)
+        xw = x_ptr.to(tl.pointer_type(tl.int64)) + 2 * (tl.multiple_of(kk >> 3, SUB_K // 8)
+                                                        + wcol)
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            _PAIRS_FROM_BF16 if BF16 else _PAIRS_FROM_F16, "=r,=r,=r,=r,l,l",
+            [tl.load(xw), tl.load(xw + 1)], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
         out = tl.inline_asm_elementwise(
             _WORDS_ASM, _WORDS_CONSTRAINTS, [acc, w, p0, p1, p2, p3, z.to(tl.float16), s],
             dtype=tl.float32, is_pure=True, pack=4)
     return out
+
+
+@triton.jit
+def _words_load(q32_rows, s_ptr, z_ptr, n, ok, N, k0, k_end, GROUP: tl.constexpr,
+                SUB_K: tl.constexpr, AHEAD: tl.constexpr):
+    """WORDS: one iteration's code words at input columns k0.. ([BLOCK_N, SUB_K / 8] int32, a
+    piece inside one group; with AHEAD none from k_end on) and the rows' scales and zero
+    points ([BLOCK_N, 1] fp32). k0 >= 0: shifts and an unsigned division, not signed ones'
+    fix-ups."""
+    wcol = tl.arange(0, SUB_K // 8)[None, :]
+    k0_rows = tl.zeros_like(n)[:, None] + k0
+    wok, gok = ok, ok
+    if AHEAD:       # the whole tile, or none of it
+        wok = ok & ((tl.zeros_like(wcol) + k0) < k_end)
+        gok = ok & (k0_rows < k_end)
+    w = tl.load(q32_rows + tl.multiple_of(k0 >> 3, SUB_K // 8) + wcol, mask=wok, other=0,
+                eviction_policy="evict_first")
+    g = (k0_rows.to(tl.uint32) // GROUP).to(tl.int32)
+    s = tl.load(s_ptr + g * N + n[:, None], mask=gok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * N + n[:, None], mask=gok, other=0).to(tl.float32)
+    return w, s, z
+
+
+@triton.jit
+def _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP: tl.constexpr,
+               BLOCK_N: tl.constexpr, SUB_K: tl.constexpr, BF16: tl.constexpr):
+    """WORDS: the [BLOCK_N] fp32 sums x . W over input columns k_lo .. k_lo + k_len of one
+    16-bit input row, SUB_K columns (one piece) an iteration. The code words, scales and zero
+    points are loaded an iteration ahead (carried in registers): the compiler otherwise issues
+    a piece's loads just before its products, and a program's warps then keep too few bytes
+    in flight to cover the memory's latency. The input (a few KB every program reads, from
+    L2) is loaded in the iteration that uses it."""
+    q32 = q_rows.to(tl.pointer_type(tl.int32))
+    ok = n_ok[:, None]
+    k_end = k_lo + k_len
+    acc = tl.zeros([BLOCK_N, SUB_K // 8], dtype=tl.float32)
+    w, s, z = _words_load(q32, s_ptr, z_ptr, n, ok, N, k_lo, k_end, GROUP, SUB_K, True)
+    for k0 in range(k_lo, k_end, SUB_K):
+        w1, s1, z1 = _words_load(q32, s_ptr, z_ptr, n, ok, N, k0 + SUB_K, k_end, GROUP,
+                                 SUB_K, True)
+        acc = _words_step(acc, w, x_ptr, k0, z, s, SUB_K, BF16)
+        w, s, z = w1, s1, z1
+    return tl.sum(acc, axis=1) * WORDS_UP
 
 
 @triton.jit
@@ -406,71 +442,73 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
     else:
         k_lo = 0
-    for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
-        for i in tl.static_range(BLOCK_K // SUB_K):
-            kk = tl.multiple_of(k0 + i * SUB_K, SUB_K)
-            if SPLIT == 3:     # WORDS: one row, no prologue (WORDS_CANDIDATES)
-                # kk >= 0: shifts and an unsigned division, not signed ones' fix-ups
-                kw = tl.multiple_of(kk >> 3, SUB_K // 8) + tl.arange(0, SUB_K // 8)
-                w = tl.load(q_rows.to(tl.pointer_type(tl.int32)) + kw[None, :],
-                            mask=n_ok[:, None], other=0, eviction_policy="evict_first")
-                g = (kk.to(tl.uint32) // GROUP).to(tl.int32)
-                s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + g * N + n, mask=n_ok, other=0).to(tl.float32)
-                acc1 = _words_step(acc1, w, x_ptr, kk, z[:, None], s[:, None], SUB_K,
-                                   x_ptr.dtype.element_ty == tl.bfloat16)
-            elif SPLIT == 2:     # HALF: one row, no prologue (HALF_CANDIDATES)
-                b, s, z = _codes_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, SUB_K)
-                xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
-                xe, xo = (xc.to(tl.float32) * HALF_DOWN).reshape(BLOCK_M, SUB_K // 2, 2).split()
-                acc1 = _half_step(acc1, b, xe, xo, z[:, None], (s * HALF_UP)[:, None])
-            elif SPLIT:
-                lo, hi, s = _nibbles_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP,
-                                           BLOCK_N, SUB_K)
-                # the input's even and odd columns (the bytes' low and high nibbles): loaded
-                # whole and split in registers, which compiled to fewer instructions than two
-                # loads of stride 2 (one load instruction a column)
-                k = kk + 2 * tl.arange(0, SUB_K // 2)
-                if PROLOGUE == 0:
-                    xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok,
-                                 other=0.0)
-                    xe, xo = xc.to(tl.float32).reshape(BLOCK_M, SUB_K // 2, 2).split()
+    if SPLIT == 3 and BLOCK_K == SUB_K:    # WORDS, one piece an iteration: loads ahead
+        yw = _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP,
+                        BLOCK_N, SUB_K, x_ptr.dtype.element_ty == tl.bfloat16)
+    else:
+        for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
+            for i in tl.static_range(BLOCK_K // SUB_K):
+                kk = tl.multiple_of(k0 + i * SUB_K, SUB_K)
+                if SPLIT == 3:     # WORDS: one row, no prologue (WORDS_CANDIDATES)
+                    w, s, z = _words_load(q_rows.to(tl.pointer_type(tl.int32)), s_ptr, z_ptr,
+                                          n, n_ok[:, None], N, kk, K, GROUP, SUB_K,
+                                          False)
+                    acc1 = _words_step(acc1, w, x_ptr, kk, z, s, SUB_K,
+                                       x_ptr.dtype.element_ty == tl.bfloat16)
+                elif SPLIT == 2:     # HALF: one row, no prologue (HALF_CANDIDATES)
+                    b, s, z = _codes_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, SUB_K)
+                    xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
+                    xe, xo = (xc.to(tl.float32) * HALF_DOWN).reshape(BLOCK_M, SUB_K // 2, 2).split()
+                    acc1 = _half_step(acc1, b, xe, xo, z[:, None], (s * HALF_UP)[:, None])
+                elif SPLIT:
+                    lo, hi, s = _nibbles_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP,
+                                               BLOCK_N, SUB_K)
+                    # the input's even and odd columns (the bytes' low and high nibbles): loaded
+                    # whole and split in registers, which compiled to fewer instructions than two
+                    # loads of stride 2 (one load instruction a column)
+                    k = kk + 2 * tl.arange(0, SUB_K // 2)
+                    if PROLOGUE == 0:
+                        xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok,
+                                     other=0.0)
+                        xe, xo = xc.to(tl.float32).reshape(BLOCK_M, SUB_K // 2, 2).split()
+                    else:
+                        xe, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok,
+                                             K, True, PROLOGUE)
+                        xo, sq1 = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k + 1, store_ok,
+                                              m_ok, K, True, PROLOGUE)
+                        if PROLOGUE == 1 or PROLOGUE == 2:
+                            ss += sq + sq1
+                    # the scale once per pair of weights: (x_even (q - z) + x_odd (q - z)) * s
+                    if BLOCK_M == 1:
+                        acc1 += (xe * lo + xo * hi) * s[:, None]
+                    else:
+                        acc3 += (xe[:, None, :] * lo[None, :, :] + xo[:, None, :] * hi[None, :, :]) \
+                            * s[None, :, None]
                 else:
-                    xe, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok,
-                                         K, True, PROLOGUE)
-                    xo, sq1 = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k + 1, store_ok,
-                                          m_ok, K, True, PROLOGUE)
-                    if PROLOGUE == 1 or PROLOGUE == 2:
-                        ss += sq + sq1
-                # the scale once per pair of weights: (x_even (q - z) + x_odd (q - z)) * s
-                if BLOCK_M == 1:
-                    acc1 += (xe * lo + xo * hi) * s[:, None]
-                else:
-                    acc3 += (xe[:, None, :] * lo[None, :, :] + xo[:, None, :] * hi[None, :, :]) \
-                        * s[None, :, None]
-            else:
-                w = _codes_tile(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N, SUB_K)
-                k = kk + tl.arange(0, SUB_K)
-                if PROLOGUE == 0:
-                    x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
-                else:
-                    x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K,
-                                        True, PROLOGUE)
-                    if PROLOGUE == 1 or PROLOGUE == 2:
-                        ss += sq
-                if USE_DOT:
-                    xd = x.to(y_ptr.dtype.element_ty)
-                    acc2 += mma(xd, tl.trans(w.to(xd.dtype)), PRECISION)
-                elif BLOCK_M == 1:
-                    acc1 += x.to(tl.float32) * w
-                else:
-                    acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
+                    w = _codes_tile(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N, SUB_K)
+                    k = kk + tl.arange(0, SUB_K)
+                    if PROLOGUE == 0:
+                        x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
+                    else:
+                        x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K,
+                                            True, PROLOGUE)
+                        if PROLOGUE == 1 or PROLOGUE == 2:
+                            ss += sq
+                    if USE_DOT:
+                        xd = x.to(y_ptr.dtype.element_ty)
+                        acc2 += mma(xd, tl.trans(w.to(xd.dtype)), PRECISION)
+                    elif BLOCK_M == 1:
+                        acc1 += x.to(tl.float32) * w
+                    else:
+                        acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
     if USE_DOT:
         y = acc2
+    elif SPLIT == 3 and BLOCK_K == SUB_K:
+        y = yw[None, :]
+    elif SPLIT == 3:
+        y = tl.sum(acc1, axis=1)[None, :] * WORDS_UP
     elif BLOCK_M == 1:
         y = tl.sum(acc1, axis=1)[None, :]
-        if SPLIT == 3:
-            y = y * WORDS_UP
     else:
         y = tl.sum(acc3, axis=2)
     if PROLOGUE == 1 or PROLOGUE == 2:
