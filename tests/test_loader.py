@@ -128,3 +128,15 @@ def test_smollm2_gguf_matches_safetensors_and_transformers(smollm2, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(prepared, dtype=torch.float32)
     torch.testing.assert_close(torch.stack(seq.logits), hf_logits(hf, seq.tokens),
                                atol=5e-4, rtol=1e-3)
+
+
+def test_auto_dtype_on_gpus_is_the_checkpoints_16_bit_type():
+    """vLLM's auto: an fp16 checkpoint (AWQ's, whose kernels are written for fp16) runs in fp16
+    on a GPU, a bf16 or fp32 one in bf16; an explicit dtype wins; CPUs keep their own rule."""
+    from pagedbackend.engine.model_files import resolve_dtype
+    assert resolve_dtype("auto", "cuda", "float16") == "float16"
+    assert resolve_dtype("auto", "cuda", "bfloat16") == "bfloat16"
+    assert resolve_dtype("auto", "cuda", "float32") == "bfloat16"
+    assert resolve_dtype("auto", "cuda", None) == "bfloat16"
+    assert resolve_dtype("bfloat16", "cuda", "float16") == "bfloat16"
+    assert resolve_dtype("auto", "cpu", "float16") in ("bfloat16", "float32")

@@ -45,13 +45,15 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
-    """auto: bf16 on GPUs, and on CPUs with native bf16 matmul (as vLLM's CPU backend);
-    float32 on CPUs without it, where bf16 would be emulated and slow."""
+def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None = None) -> str:
+    """auto: on GPUs the checkpoint's own 16-bit type (config.json's torch_dtype / dtype), as
+    vLLM's auto: AWQ checkpoints are fp16 and AWQ kernels are written for it), else bf16; bf16
+    on CPUs with native bf16 matmul (as vLLM's CPU backend), float32 on CPUs without it, where
+    bf16 would be emulated and slow."""
     if dtype != "auto":
         return dtype
     if device == "cuda":
-        return "bfloat16"
+        return checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
     import torch
     return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 
@@ -92,7 +94,8 @@ def load_model_files(config: EngineConfig) -> ModelFiles:
         hf_config = json.load(f)
     tokenizer = load_tokenizer(config.tokenizer_path)
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device,
+                          hf_config.get("torch_dtype") or hf_config.get("dtype"))
     limit = int(hf_config.get("max_position_embeddings", 2048))
     max_model_len = config.max_model_len or limit
     check(max_model_len <= limit, "max_model_len", config.max_model_len,
