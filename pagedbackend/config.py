@@ -50,7 +50,8 @@ def shown(value: Any) -> str:
 class EngineConfig:
     model: str
     tokenizer: Optional[str] = None          # defaults to `model`
-    dtype: str = "auto"                      # auto: cuda: the checkpoint's fp16 / bf16, else bf16; CPU: bf16 where native, else f32
+    # auto: on cuda the checkpoint's fp16 / bf16 (else bf16); on CPUs bf16 where native, else f32
+    dtype: str = "auto"
     kv_cache_dtype: str = "auto"             # see KV_CACHE_DTYPES
     quantization: Optional[str] = None       # see QUANTIZATIONS
     device: str = "auto"                     # auto: cuda if available, else cpu
