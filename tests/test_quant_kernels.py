@@ -235,6 +235,45 @@ def test_swap_pair_tiles_compile_for_hopper_to_wgmma():
         assert mma > 0 and lop3 > 0 and (bf16 > 0) == ("bf16" in arg), got
 
 
+# compiled for sm_90 by compiled_for_hopper; prints each one-row WORDS tile's registers and
+# its SASS counts of lop3 and fp16-pair FMAs
+HOPPER_WORDS = """
+import re
+import sys
+from pagedbackend.kernels import gemv_w4
+for arg in sys.argv[1:]:
+    i, dt, ksplit = arg.split(":")
+    block_n, block_k, warps, stages, _, split = gemv_w4.WORDS_CANDIDATES[int(i)]
+    sub_k, block_k = gemv_w4._tile_k(block_k, 128, 4096 // int(ksplit))
+    const = dict(GROUP=128, BITS=4, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
+                 HAS_BIAS=False, SPLIT=split, KSPLIT=int(ksplit), USE_DOT=False,
+                 PRECISION="tf32", PROLOGUE=0, USE_PDL=True, PREFETCH=True)
+    ptrs = {n: "*" + dt for n in ("x_ptr", "b_ptr", "y_ptr", "r_ptr", "r_out_ptr", "g_ptr")}
+    ptrs.update(q_ptr="*u8", s_ptr="*fp16", z_ptr="*u8", ws_ptr="*fp32", cnt_ptr="*i32")
+    usage = sm90_tool(gemv_w4._packed_gemv_kernel, const, ptrs, warps, stages, "cuobjdump",
+                      "--dump-resource-usage")
+    sass = sm90_tool(gemv_w4._packed_gemv_kernel, const, ptrs, warps, stages, "nvdisasm", "-c")
+    print(arg, re.search(r"REG:(\\d+)", usage).group(1), sass.count("LOP3.LUT"),
+          sass.count("HFMA2"))
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="compiled for sm_90 on a machine without a GPU")
+def test_words_tiles_compile_for_hopper():
+    """ptxas takes the WORDS tiles' PTX (the interpreter does not run it) in both forms, the
+    one that carries the next piece's loads (BLOCK_K one piece) and the one that does not, with
+    fp16 and bf16 inputs, whole-K and split-K: lop3 opens the codes, fp16-pair FMAs multiply,
+    and a thread keeps to at most 128 registers (four programs of 4 warps a SM)."""
+    ahead = next(i for i, c in enumerate(gemv_w4.WORDS_CANDIDATES) if c[1] == 128)
+    pieces = next(i for i, c in enumerate(gemv_w4.WORDS_CANDIDATES) if c[1] == 256)
+    args = [f"{ahead}:fp16:1", f"{ahead}:bf16:4", f"{pieces}:fp16:2", f"{pieces}:bf16:1"]
+    out = compiled_for_hopper(HOPPER_WORDS, *args).split()
+    got = {out[j]: tuple(map(int, out[j + 1:j + 4])) for j in range(0, len(out), 4)}
+    assert set(got) == set(args), out
+    for arg, (regs, lop3, hfma2) in got.items():
+        assert regs <= 128 and lop3 >= 16 and hfma2 >= 32, (arg, got)
+
+
 def test_block_k_stays_inside_a_group():
     assert gemv_w4._block_k(128, 128) == 128 and gemv_w4._block_k(128, 64) == 64
     assert gemv_w4._block_k(128, 48) == 16 and gemv_w4._block_k(64, 256) == 64
