@@ -288,19 +288,13 @@ _PAIRS_FROM_BF16 = tl.constexpr("""{
 .reg .b32 a0, a1, b0, b1, lo, hi;
 mov.b64 {a0, a1}, $4;
 mov.b64 {b0, b1}, $5;
-shl.b32 lo, a0, 16;
-shl.b32 hi, b0, 16;
-cvt.rn.f16x2.f32 $0, hi, lo;
-and.b32 lo, a0, 0xFFFF0000;
-and.b32 hi, b0, 0xFFFF0000;
-cvt.rn.f16x2.f32 $1, hi, lo;
-shl.b32 lo, a1, 16;
-shl.b32 hi, b1, 16;
-cvt.rn.f16x2.f32 $2, hi, lo;
-and.b32 lo, a1, 0xFFFF0000;
-and.b32 hi, b1, 0xFFFF0000;
-cvt.rn.f16x2.f32 $3, hi, lo;
-}""")
+""" + "".join(f"""shl.b32 lo, a{i}, 16;
+shl.b32 hi, b{i}, 16;
+cvt.rn.f16x2.f32 ${2 * i}, hi, lo;
+and.b32 lo, a{i}, 0xFFFF0000;
+and.b32 hi, b{i}, 0xFFFF0000;
+cvt.rn.f16x2.f32 ${2 * i + 1}, hi, lo;
+""" for i in range(2)) + "}")
 
 
 @triton.jit
