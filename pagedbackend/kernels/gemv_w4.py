@@ -146,9 +146,10 @@ HALF_CANDIDATES = ((128, 256, 4, 3, False, 2), (64, 256, 4, 3, False, 2),
 # (q - z) / 128 against the input columns paired to match, (x0, x4), (x1, x5), ...: per word
 # 13 instructions (shift, lop3 x 4, zero x 4, products x 4), then per four words one widening
 # into fp32 with the scale (_words_step). The input is paired once per thread and column
-# (_PAIRS_FROM_F16 / _BF16), shared by the thread's rows; each thread reads sixteen code bytes of a row
-# (one scale and zero point for 32 weights, where HALF's threads take eight). A BLOCK_K of
-# one piece (inside a group) loads each iteration's codes an iteration ahead (_words_sum).
+# (_PAIRS_FROM_F16 / _BF16), shared by the thread's rows; each thread reads sixteen code
+# bytes of a row (one scale and zero point for 32 weights, where HALF's threads take eight).
+# A BLOCK_K of one piece (inside a group) loads each iteration's codes an iteration ahead
+# (_words_sum).
 WORDS_CANDIDATES = ((64, 256, 4, 3, False, 3), (128, 256, 4, 3, False, 3),
                     (64, 128, 4, 3, False, 3), (128, 128, 4, 3, False, 3),
                     (128, 128, 8, 3, False, 3), (256, 128, 8, 3, False, 3))
@@ -476,10 +477,11 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                     if BLOCK_M == 1:
                         acc1 += (xe * lo + xo * hi) * s[:, None]
                     else:
-                        acc3 += (xe[:, None, :] * lo[None, :, :] + xo[:, None, :] * hi[None, :, :]) \
-                            * s[None, :, None]
+                        acc3 += (xe[:, None, :] * lo[None, :, :]
+                                 + xo[:, None, :] * hi[None, :, :]) * s[None, :, None]
                 else:
-                    w = _codes_tile(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N, SUB_K)
+                    w = _codes_tile(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N,
+                                    SUB_K)
                     k = kk + tl.arange(0, SUB_K)
                     if PROLOGUE == 0:
                         x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
