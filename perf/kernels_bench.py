@@ -564,7 +564,7 @@ def main():
              "w4words": bench_w4_words,
              "w4words16": lambda: bench_w4_words((torch.float16,)),
              "bytes": bench_bytes, "fp8mma": bench_fp8mma, "dequant": bench_dequant}
-    for name in (args.only.split(",") if args.only else parts):
+    for name in (args.only.split(",") if args.only else [p for p in parts if p != "w4words16"]):
         parts[name]()
     print("\n| kernel | triton us | torch us | speed-up | |\n|---|---:|---:|---:|---|")
     for name, t, r, metric in ROWS:
