@@ -84,9 +84,10 @@ def main():
         model, lab = result_model(a.model, "" if label == "default" else label)
         suffix = "-".join(filter(None, (a.suffix, lab)))
         rows.append({"workload": "W1", "variant": label, **run(llm, model, suffix=suffix)})
-        # without PDL the kernel times are not inflated by early starts; fp8 weights have
-        # kernels of their own
-        if a.profile and (label == "default" or label.endswith("nopdl") or "fp8w" in label):
+        # without PDL the kernel times are not inflated by early starts; fp8 weights and fp16
+        # compute have kernels of their own
+        if a.profile and (label in ("default", "fp16") or label.endswith("nopdl")
+                          or "fp8w" in label):
             profile(llm, "W1" if label == "default" else f"W1-{label}")
     run_variants(a.ab, make_llm, body)
     keys = ("workload", "variant", "output_tokens_per_s", "decode_tokens_per_s", "ttft_ms", "mbu")
