@@ -550,7 +550,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also try a few tile configs")
     ap.add_argument("--only", default="",
                     help="comma-separated parts to run: decode, mixedlen, fp8, fp8in, prefill, "
-                         "mixed, elementwise, w4, w4wide, w4words (w4words16: fp16 inputs only), bytes, "
+                         "mixed, elementwise, w4, w4wide, w4words, bytes, "
                          "fp8mma, dequant (default: all)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "kernels_bench needs a CUDA GPU"
@@ -562,9 +562,8 @@ def main():
              "prefill": lambda: bench_prefill(args.sweep), "mixed": bench_mixed,
              "elementwise": bench_elementwise, "w4": bench_w4, "w4wide": bench_w4_wide,
              "w4words": bench_w4_words,
-             "w4words16": lambda: bench_w4_words((torch.float16,)),
              "bytes": bench_bytes, "fp8mma": bench_fp8mma, "dequant": bench_dequant}
-    for name in (args.only.split(",") if args.only else [p for p in parts if p != "w4words16"]):
+    for name in (args.only.split(",") if args.only else parts):
         parts[name]()
     print("\n| kernel | triton us | torch us | speed-up | |\n|---|---:|---:|---:|---|")
     for name, t, r, metric in ROWS:

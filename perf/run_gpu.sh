@@ -9,8 +9,8 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (after H100 call 77, perf/RESULTS.md): "w4words w1awq16" (~8 min: the WORDS
-# tiles against HALF at one row in fp16 and bf16, then W1 AWQ bf16 and fp16), "w4wide" (~2 min:
+# Next calls (after H100 calls 78-79, perf/RESULTS.md): "w1awqprof" (~5 min: W1 AWQ bf16 and
+# fp16 under the profiler: where bf16's extra 0.4-0.65 ms a step goes), "w4wide" (~2 min:
 # the swap-AB pair tiles at 64-8,192 rows) with NCU_TILES naming the HALF / WORDS / split-K and
 # pair tiles for "ncu" (~2 min; any Hopper); on an H200, "dmon w1pairs" (~5 min: W1 fp8 / int8
 # with the fp16-pair tiles at 64 registers), "dequant fp8mma" (~4 min: the W8A8 fp8 tiles at
@@ -129,13 +129,10 @@ for s in $stages; do
     # the W4A16 tuner's one-row choices (prologue inside or in its own kernel) against
     # dequantize + cuBLAS and bf16 cuBLAS at llama-3.1-8b's four matmuls, ~40 s
     w4bench) run w4bench 240 python3 perf/kernels_bench.py --only w4 ;;
+    # W1 AWQ in bf16 and fp16 (the WORDS tiles' dtype), each profiled over 32 decode steps
+    w1awqprof) run w1awqprof 300 python3 perf/w1_decode.py --quantization awq --suffix awq --ab fp16 --profile ;;
     # the swap-AB W4A16 GEMM tiles' GPU parity, then each at 64, 512 and 8,192 rows against
     # dequantize + cuBLAS and bf16 cuBLAS (W2 with AWQ, issue 23), ~2 min
-    # the WORDS tiles (codes as 32-bit words): their GPU tests, then against HALF at one row
-    # (fp16 and bf16 inputs), then W1 AWQ bf16 and fp16 (the tuner choosing among both)
-    w4words) run w4wordstests 150 python3 -m pytest -q tests/test_quant_kernels.py -k "half or split_k"
-             run w4words 240 python3 perf/kernels_bench.py --only w4words ;;
-    w1awq16) run w1awq16 300 python3 perf/w1_decode.py --quantization awq --suffix awq --ab fp16 ;;
     w4wide) run w4widetests 150 python3 -m pytest -q tests/test_quant_kernels.py -k swap_ab
             run w4wide 280 python3 perf/kernels_bench.py --only w4wide ;;
     w1quant) run w1quant 540 python3 perf/w1_decode.py --ab awq,gptq,int8 ;;

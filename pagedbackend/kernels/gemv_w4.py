@@ -53,9 +53,8 @@ SPLIT_CANDIDATES = ((16, 1024, 4, 3, False, True), (32, 512, 4, 4, False, True),
 KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
                      (128, 256, 4, 3, False, 2, 4), (64, 256, 4, 3, False, 2, 8),
                      (32, 512, 4, 4, False, 2, 4), (32, 512, 4, 4, False, 2, 2),
-                     (64, 256, 4, 3, False, 3, 2), (128, 256, 4, 3, False, 3, 4),
-                     (64, 128, 4, 3, False, 3, 4), (128, 128, 4, 3, False, 3, 2),
-                     (128, 128, 4, 3, False, 3, 4), (64, 128, 4, 3, False, 3, 8),
+                     (64, 256, 4, 3, False, 3, 2), (64, 128, 4, 3, False, 3, 4),
+                     (64, 128, 4, 3, False, 3, 8),
                      (16, 1024, 4, 3, False, True, 2),
                      (32, 512, 4, 4, False, True, 4), (16, 512, 4, 4, False, True, 4))
 # wider steps: swap-AB GEMM tiles ("t", BLOCK_N, BLOCK_M, SUB_K, num_warps, num_stages, SPLIT),
@@ -149,10 +148,12 @@ HALF_CANDIDATES = ((128, 256, 4, 3, False, 2), (64, 256, 4, 3, False, 2),
 # (_PAIRS_FROM_F16 / _BF16), shared by the thread's rows; each thread reads sixteen code
 # bytes of a row (one scale and zero point for 32 weights, where HALF's threads take eight).
 # A BLOCK_K of one piece (inside a group) loads each iteration's codes an iteration ahead
-# (_words_sum).
-WORDS_CANDIDATES = ((64, 256, 4, 3, False, 3), (128, 256, 4, 3, False, 3),
-                    (64, 128, 4, 3, False, 3), (128, 128, 4, 3, False, 3),
-                    (128, 128, 8, 3, False, 3), (256, 128, 8, 3, False, 3))
+# (_words_sum). Measured on an H100 (perf/RESULTS.md, call 78): with fp16 inputs the split-K
+# forms of (64, 128, 4) beat the best HALF tile by 1.00-1.10x, with bf16 inputs 0.96-1.03x;
+# whole-K tiles never win (few programs), and BLOCK_N 128 at 4 warps ran 2-3x slower than
+# BLOCK_N 64 (95 registers; the carried tile went through shared memory): kept out.
+WORDS_CANDIDATES = ((64, 256, 4, 3, False, 3), (64, 128, 4, 3, False, 3),
+                    (128, 128, 8, 3, False, 3))
 # the input times 2^-6 in fp16 (exact: a power of two), the scale times 2^6 to undo it: sixteen
 # products summed in fp16 reach 8 * 15 * |x| / 64, so inputs up to ~35,000 stay finite
 HALF_DOWN, HALF_UP = tl.constexpr(2.0 ** -6), tl.constexpr(2.0 ** 6)
