@@ -487,7 +487,7 @@ def bench_fp8mma():
               f"{blas:.1f} | {quant:.1f} | {p_us:.1f} {p_cfg or ''} |")
 
 
-def bench_w4_words(dtypes=(torch.float16, torch.bfloat16)):
+def bench_w4_words():
     """The one-row 4-bit tiles that read the codes as 32-bit words (gemv_w4.WORDS_CANDIDATES
     and their split-K forms) against the HALF ones (HALF_CANDIDATES and theirs), llama-3.1-8b's
     four matmuls in groups of 128, with fp16 and bf16 inputs; every tile checked against the
@@ -495,7 +495,7 @@ def bench_w4_words(dtypes=(torch.float16, torch.bfloat16)):
     zeros' bytes."""
     from pagedbackend.kernels import gemv_w4
     table = []
-    for dt in dtypes:
+    for dt in (torch.float16, torch.bfloat16):
         for name, n, k in LLAMA_MATMULS:
             pw = random_packed_weight(n, k)
             nbytes = n * k // 2 + k // 128 * n * 3
@@ -550,8 +550,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also try a few tile configs")
     ap.add_argument("--only", default="",
                     help="comma-separated parts to run: decode, mixedlen, fp8, fp8in, prefill, "
-                         "mixed, elementwise, w4, w4wide, w4words, bytes, "
-                         "fp8mma, dequant (default: all)")
+                         "mixed, elementwise, w4, w4wide, w4words, bytes, fp8mma, dequant "
+                         "(default: all)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "kernels_bench needs a CUDA GPU"
     torch.manual_seed(0)

@@ -47,7 +47,8 @@ def run(llm, model_name: str, prompt_len: int = 128, output_len: int = 128,
                      "step_split": llm.engine.timing_summary()})
     med = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
     dtype = str(getattr(llm.engine.runner, "dtype", "")).removeprefix("torch.")
-    res = {**med, "dtype": dtype, "weight_bytes_per_step": wb, "mbu": wb * med["decode_tokens_per_s"] / H200_BW,
+    res = {**med, "dtype": dtype, "weight_bytes_per_step": wb,
+           "mbu": wb * med["decode_tokens_per_s"] / H200_BW,
            "roofline_fraction": med["decode_tokens_per_s"] / LIMITS["W1"],
            "runs": [{k: v for k, v in r.items() if k != "step_split"} for r in runs]}
     write_result("W1", model_name, res, suffix)
