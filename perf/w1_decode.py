@@ -46,7 +46,7 @@ def run(llm, model_name: str, prompt_len: int = 128, output_len: int = 128,
                      "ttft_ms": (out.first_token_time - out.arrival_time) * 1e3,
                      "step_split": llm.engine.timing_summary()})
     med = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
-    dtype = str(getattr(llm.engine.runner, "dtype", "")).removeprefix("torch.")
+    dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
     res = {**med, "dtype": dtype, "weight_bytes_per_step": wb,
            "mbu": wb * med["decode_tokens_per_s"] / H200_BW,
            "roofline_fraction": med["decode_tokens_per_s"] / LIMITS["W1"],
