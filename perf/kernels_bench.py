@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton.language as tl
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -522,6 +523,79 @@ def bench_w4_words():
               f"| {tb} |")
 
 
+@triton.jit
+def _read_runs_kernel(q_ptr, out_ptr, KW, k_len_w, BLOCK_N: tl.constexpr, W: tl.constexpr,
+                      BLOCKED: tl.constexpr):
+    """Reads program pid's BLOCK_N rows of int32 words over its split's k_len_w words, W words
+    (4 W bytes) of each row an iteration, and stores their wrapped int32 sum. Row-major: row n's
+    words at n * KW; BLOCKED: tile (pid, kw // W)'s BLOCK_N x W words contiguous, in the order
+    the programs read them."""
+    pid, ks = tl.program_id(0), tl.program_id(1)
+    r, c = tl.arange(0, BLOCK_N)[:, None], tl.arange(0, W)[None, :]
+    acc = tl.zeros([BLOCK_N, W], dtype=tl.int32)
+    for kw in range(ks * k_len_w, (ks + 1) * k_len_w, W):
+        if BLOCKED:
+            off = ((pid * (KW // W) + kw // W) * BLOCK_N + r).to(tl.int64) * W + c
+        else:
+            off = (pid * BLOCK_N + r).to(tl.int64) * KW + kw + c
+        acc += tl.load(q_ptr + off, eviction_policy="evict_first")
+    tl.store(out_ptr + pid * tl.num_programs(1) + ks, tl.sum(acc))
+
+
+def bench_w4_runs():
+    """Where the one-row 4-bit tiles' bandwidth goes: a kernel that only reads the codes of
+    gate|up and down (4-bit, int32 words, one add a word) in the tiles' pattern, BLOCK_N rows x
+    W words an iteration, split-K as theirs. Row-major (the PackedWeight layout: each row's
+    piece a run of 4 W bytes, rows K / 2 bytes apart) against each tile's words contiguous
+    (a repacked layout). Checked: every layout's wrapped sum equals torch's. TB/s of the codes
+    alone, graph-timed with the L2 flushed."""
+    from pagedbackend.kernels.gemv_tuning import _time_us
+    table = []
+    for name, n, k in LLAMA_MATMULS[2:]:
+        kw = k // 8
+        words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, kw), dtype=torch.int32, device=DEVICE)
+        want = int(words.sum(dtype=torch.int64).item()) % 2 ** 32
+        for bn, w in ((64, 16), (64, 32), (32, 32), (16, 64), (8, 128), (16, 128), (4, 256),
+                      (8, 256), (128, 16)):
+            for blocked in (False, True):
+                q = words
+                if blocked:     # [N / bn, KW / w, bn, w]
+                    q = words.view(n // bn, bn, kw // w, w).transpose(1, 2).contiguous()
+                for ksplit in (1, 2, 4, 8):
+                    if kw % (ksplit * w):
+                        continue
+                    for warps in (4, 8):
+                        out = torch.empty(n // bn * ksplit, dtype=torch.int32, device=DEVICE)
+
+                        def run():
+                            _read_runs_kernel[(n // bn, ksplit)](
+                                q, out, kw, kw // ksplit, BLOCK_N=bn, W=w, BLOCKED=blocked,
+                                num_warps=warps)
+                        try:
+                            us = _time_us(run)
+                        except Exception as e:      # noqa: BLE001
+                            print(f"w4runs {name} {bn}x{w}: failed {e}"[:200])
+                            continue
+                        run()
+                        ok = int(out.sum(dtype=torch.int64).item()) % 2 ** 32 == want
+                        tb = n * k / 2 / (us * 1e-6) / 1e12
+                        label = (f"{name} rows {bn} x {4 * w} B {'tiles' if blocked else 'rows'}"
+                                 f" ksplit {ksplit} warps {warps}")
+                        print(f"w4runs {label}: {us:.1f} us {tb:.2f} TB/s"
+                              f"{'' if ok else ' WRONG SUM'}", flush=True)
+                        if ok:
+                            table.append((name, 4 * w, blocked, tb, label))
+    print("\n| shape | run bytes | layout | best TB/s | read as |\n|---|---:|---|---:|---|")
+    for name, _, k in LLAMA_MATMULS[2:]:
+        for run_b in sorted({t[1] for t in table if t[0] == name}):
+            for blocked in (False, True):
+                got = [t for t in table if t[:3] == (name, run_b, blocked)]
+                if got:
+                    best = max(got, key=lambda t: t[3])
+                    print(f"| {name} | {run_b} | {'tiles' if blocked else 'rows'} "
+                          f"| {best[3]:.2f} | {best[4]} |")
+
+
 def _best_tile(tiles, run, ref=None, label="w4", tbs=None) -> tuple[float, tuple | None]:
     """(us, tile) of the fastest of tiles, run(tile) graph-timed as the tuner times; a tile
     that fails to compile or run is printed and skipped. With ref (the product in fp32) every
@@ -550,7 +624,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also try a few tile configs")
     ap.add_argument("--only", default="",
                     help="comma-separated parts to run: decode, mixedlen, fp8, fp8in, prefill, "
-                         "mixed, elementwise, w4, w4wide, w4words, bytes, fp8mma, dequant "
+                         "mixed, elementwise, w4, w4wide, w4words, w4runs, bytes, fp8mma, dequant "
                          "(default: all)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "kernels_bench needs a CUDA GPU"
@@ -561,7 +635,7 @@ def main():
              "fp8": bench_decode_fp8, "fp8in": bench_fp8_inputs,
              "prefill": lambda: bench_prefill(args.sweep), "mixed": bench_mixed,
              "elementwise": bench_elementwise, "w4": bench_w4, "w4wide": bench_w4_wide,
-             "w4words": bench_w4_words,
+             "w4words": bench_w4_words, "w4runs": bench_w4_runs,
              "bytes": bench_bytes, "fp8mma": bench_fp8mma, "dequant": bench_dequant}
     for name in (args.only.split(",") if args.only else parts):
         parts[name]()

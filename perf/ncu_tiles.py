@@ -24,11 +24,12 @@ from perf.kernels_bench import DEVICE, DT, LLAMA_MATMULS, random_packed_weight  
 
 
 def operands(kind: str, n: int, k: int):
-    """(x, weight, scale): one random bf16 row and kind's random weights [n, k]: a 4-bit
-    PackedWeight (awq; scale None), bf16 (scale None), or e4m3 / int8 with per-row scales."""
+    """(x, weight, scale): one random bf16 row (fp16 for awq16) and kind's random weights
+    [n, k]: a 4-bit PackedWeight (awq, awq16; scale None), bf16 (scale None), or e4m3 / int8
+    with per-row scales."""
     from pagedbackend.layers.quantization import quantize_weight_fp8, quantize_weight_int8
-    x = torch.randn(1, k, device=DEVICE, dtype=DT)
-    if kind == "awq":
+    x = torch.randn(1, k, device=DEVICE, dtype=torch.float16 if kind == "awq16" else DT)
+    if kind.startswith("awq"):
         return x, random_packed_weight(n, k), None
     w = torch.randn(n, k, device=DEVICE) / k ** 0.5
     if kind == "bf16":
@@ -55,7 +56,7 @@ def given(kind: str, n: int, k: int, cfg: tuple):
     """(label, a closure running tile cfg) for kind's weights [n, k], no tuner."""
     from pagedbackend.kernels import gemv, gemv_w4
     x, w, sc = operands(kind, n, k)
-    if kind == "awq":
+    if kind.startswith("awq"):
         return f"{cfg}", lambda: gemv_w4.packed_gemv(x, w, None, cfg)
     return f"{cfg}", lambda: gemv.skinny_linear(x, w, None, cfg, weight_scale=sc)
 

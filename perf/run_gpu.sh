@@ -161,6 +161,9 @@ for s in $stages; do
            python3 perf/ncu_tiles.py ${NCU_TILES:-} ;;
     # the 4-bit dequantization (dequantize + cuBLAS's first half) at the four shapes: the
     # word-pair kernel at a few tiles against the converting one, ~30 s
+    # the codes alone read in the one-row tiles' pattern, row-major against tile-contiguous
+    # (is a row's run of 64-128 bytes what holds the 4-bit tiles at ~1.8 TB/s?), ~1.5 min
+    w4runs) run w4runs 200 python3 perf/kernels_bench.py --only w4runs ;;
     dequant) run dequant 90 python3 perf/kernels_bench.py --only dequant ;;
     w2awq) run w2awq 480 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
     # greedy output on AWQ / GPTQ (act order) checkpoints of the tiny models vs transformers on
