@@ -317,9 +317,10 @@ def _words_step(acc, w, x_ptr, kk, z, s, SUB_K: tl.constexpr, BF16: tl.constexpr
     else:
         xw = x_ptr.to(tl.pointer_type(tl.int64)) + 2 * (tl.multiple_of(kk >> 3, SUB_K // 8)
                                                         + wcol)
+        xa, xb = tl.load(xw[:, :, None] + tl.arange(0, 2)[None, None, :]).split()
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
             _PAIRS_FROM_BF16 if BF16 else _PAIRS_FROM_F16, "=r,=r,=r,=r,l,l",
-            [tl.load(xw), tl.load(xw + 1)], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+            [xa, xb], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
         out = tl.inline_asm_elementwise(
             _WORDS_ASM, _WORDS_CONSTRAINTS, [acc, w, p0, p1, p2, p3, z.to(tl.float16), s],
             dtype=tl.float32, is_pure=True, pack=4)
