@@ -541,9 +541,10 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
 # paired as WORDS pairs them): with one element a thread and nothing for triton to coalesce,
 # no tensor changes layout. (BLOCK_N = 32 x num_warps, 128, num_warps, 1, False, 4, KSPLIT).
 ROWS_CANDIDATES = ((128, 128, 4, 1, False, 4, 2), (128, 128, 4, 1, False, 4, 4),
-                   (128, 128, 4, 1, False, 4, 8), (256, 128, 4, 1, False, 4, 2),
-                   (256, 128, 4, 1, False, 4, 4), (128, 128, 2, 1, False, 4, 4),
-                   (128, 128, 2, 1, False, 4, 8))
+                   (128, 128, 4, 1, False, 4, 8), (128, 128, 4, 1, False, 4, 16),
+                   (256, 128, 4, 1, False, 4, 2), (256, 128, 4, 1, False, 4, 4),
+                   (256, 128, 4, 1, False, 4, 8), (128, 128, 2, 1, False, 4, 4),
+                   (128, 128, 2, 1, False, 4, 8), (128, 128, 2, 1, False, 4, 16))
 # sixteen code words of a row: $16 its address
 _ROW_CODES_PTX = tl.constexpr("""{
 ld.global.L1::evict_first.v4.u32 {$0, $1, $2, $3}, [$16];
