@@ -202,17 +202,20 @@ def test_rows_tiles_match_dequantize_then_matmul(cfg, dtype):
 def test_rows_tiles_take_fp16_scales_and_whole_128_column_pieces():
     tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
     rows = set(gemv_w4.ROWS_CANDIDATES)
-    pw = packed_weight(128, 1024, 4, 128)
+    pw = packed_weight(128, 2048, 4, 128)
     assert rows <= set(tuning._tiles(1, pw, torch.float16))
+    # K 1,024 = 8 pieces: splits of 2-8 fit, 16 does not
+    short = set(tuning._tiles(1, packed_weight(128, 1024, 4, 128)))
+    assert {c for c in rows if c[6] <= 8} <= short and not {c for c in rows if c[6] == 16} & short
     assert not rows & set(tuning._tiles(1, pw, torch.float32))      # a 16-bit row only
     assert not rows & set(tuning._tiles(1, packed_weight(128, 1024, 4, 64)))    # group 64
     fp32_scales = PackedWeight(4, 128, pw.qweight, pw.scales.float(), pw.zeros, None, None)
     assert not rows & set(tuning._tiles(1, fp32_scales))
     with pytest.raises(AssertionError, match="fp16 scales"):
-        gemv_w4.packed_gemv(torch.randn(1, 1024, device=DEV).half(), fp32_scales, None,
+        gemv_w4.packed_gemv(torch.randn(1, 2048, device=DEV).half(), fp32_scales, None,
                             gemv_w4.ROWS_CANDIDATES[0])
     with pytest.raises(AssertionError, match="HALF / WORDS tile"):    # a thread a row or two
-        gemv_w4.packed_gemv(torch.randn(1, 1024, device=DEV).half(), pw, None,
+        gemv_w4.packed_gemv(torch.randn(1, 2048, device=DEV).half(), pw, None,
                             (96, 128, 4, 1, False, 4, 2))
 
 
