@@ -584,8 +584,8 @@ def _row_pairs_ptx(bf16: bool) -> str:
                          f"and.b32 lo, a{i}, 0xFFFF0000;\nand.b32 hi, b{i}, 0xFFFF0000;\n"
                          f"cvt.rn.f16x2.f32 ${4 * w + 2 * i + 1}, hi, lo;\n")
         else:
-            body += (f"prmt.b32 ${4 * w}, a0, b0, 0x5410;\nprmt.b32 ${4 * w + 1}, a0, b0, 0x7632;\n"
-                     f"prmt.b32 ${4 * w + 2}, a1, b1, 0x5410;\nprmt.b32 ${4 * w + 3}, a1, b1, 0x7632;\n")
+            body += "".join(f"prmt.b32 ${4 * w + 2 * i + h}, a{i}, b{i}, {sel};\n"
+                            for i in range(2) for h, sel in enumerate(("0x5410", "0x7632")))
     return "{\n" + body + "}"
 
 
