@@ -634,8 +634,11 @@ def _row_codes(qw, k0):
 
 @triton.jit
 def _row_meta(sp, zp, g, N):
-    """ROWS: (s * 128, zl, zh) of group g for the rows at sp, zp (see _ROW_META_PTX)."""
-    return tl.inline_asm_elementwise(_ROW_META_PTX, "=r,=r,=r,l,l", [sp + g * N, zp + g * N],
+    """ROWS: (s * 128, zl, zh) of group g for the rows at sp, zp (see _ROW_META_PTX). The
+    zero points' address goes in typed as the scales' (an asm's pointer operands must agree in
+    type for triton 3.6; the PTX loads a byte from it)."""
+    zq = (zp + g * N).to(tl.pointer_type(tl.float16))
+    return tl.inline_asm_elementwise(_ROW_META_PTX, "=r,=r,=r,l,l", [sp + g * N, zq],
                                      dtype=(tl.float32, tl.int32, tl.int32), is_pure=False,
                                      pack=1)
 
