@@ -182,43 +182,6 @@ def test_split_k_tiles_match_dequantize_then_matmul(cfg, dtype):
     assert not counts.any(), "a tile's count of finished splits was left behind"
 
 
-@pytest.mark.parametrize("cfg", [(128, 128, 4, 1, False, 4, 1), (128, 128, 4, 1, False, 4, 2),
-                                 (256, 128, 4, 1, False, 4, 4), (64, 128, 2, 1, False, 4, 1)],
-                         ids=["one", "one_split2", "two_split4", "two_whole"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_rows_tiles_match_dequantize_then_matmul(cfg, dtype):
-    """The ROWS tiles (a thread a row, or two, 128 columns an iteration, whole-K or split-K):
-    one row, with and without a bias, against the fp32 reference within 1e-2 (sums of sixteen
-    products in fp16 on the GPU; the interpreter's fp32 stand-in on the CPU); rows past N (not
-    a multiple of BLOCK_N) neither stored nor read past the weight; the same bits again."""
-    n, k = (6160, 4096) if CUDA else (80, 512)
-    pw = packed_weight(n, k, 4, 128)
-    w = torch_dequantize(pw)
-    for with_bias in (False, True):
-        x, b, y = check_packed_gemv(pw, w, cfg, 1, dtype, with_bias, 1e-2)
-        assert torch.equal(gemv_w4.packed_gemv(x, pw, b, cfg), y)
-
-
-def test_rows_tiles_take_fp16_scales_and_whole_128_column_pieces():
-    tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
-    rows = set(gemv_w4.ROWS_CANDIDATES)
-    pw = packed_weight(128, 2048, 4, 128)
-    assert rows <= set(tuning._tiles(1, pw, torch.float16))
-    # K 1,024 = 8 pieces: splits of 2-8 fit, 16 does not
-    short = set(tuning._tiles(1, packed_weight(128, 1024, 4, 128)))
-    assert {c for c in rows if c[6] <= 8} <= short and not {c for c in rows if c[6] == 16} & short
-    assert not rows & set(tuning._tiles(1, pw, torch.float32))      # a 16-bit row only
-    assert not rows & set(tuning._tiles(1, packed_weight(128, 1024, 4, 64)))    # group 64
-    fp32_scales = PackedWeight(4, 128, pw.qweight, pw.scales.float(), pw.zeros, None, None)
-    assert not rows & set(tuning._tiles(1, fp32_scales))
-    with pytest.raises(AssertionError, match="fp16 scales"):
-        gemv_w4.packed_gemv(torch.randn(1, 2048, device=DEV).half(), fp32_scales, None,
-                            gemv_w4.ROWS_CANDIDATES[0])
-    with pytest.raises(AssertionError, match="HALF / WORDS tile"):    # a thread a row or two
-        gemv_w4.packed_gemv(torch.randn(1, 2048, device=DEV).half(), pw, None,
-                            (96, 128, 4, 1, False, 4, 2))
-
-
 def test_split_k_tiles_are_one_plain_row_of_whole_groups():
     pw = packed_weight(64, 512, 4, 128)
     cfg = (16, 128, 2, 3, False, True, 2)
@@ -309,43 +272,6 @@ def test_words_tiles_compile_for_hopper():
     assert set(got) == set(args), out
     for arg, (regs, lop3, hfma2) in got.items():
         assert regs <= 128 and lop3 >= 16 and hfma2 >= 32, (arg, got)
-
-
-# compiled for sm_90 by compiled_for_hopper: each ROWS tile's registers and its SASS counts of
-# lop3 and fp16-pair FMAs
-HOPPER_ROWS = """
-import re
-import sys
-from pagedbackend.kernels import gemv_w4
-for arg in sys.argv[1:]:
-    i, dt = arg.split(":")
-    block_n, _, warps, _, _, _, ksplit = gemv_w4.ROWS_CANDIDATES[int(i)]
-    const = dict(GROUP=128, BLOCK_N=block_n, TWO=block_n == 64 * warps, KSPLIT=ksplit,
-                 HAS_BIAS=False, USE_PDL=True, PREFETCH=True)
-    ptrs = {n: "*" + dt for n in ("x_ptr", "b_ptr", "y_ptr")}
-    ptrs.update(q_ptr="*u8", s_ptr="*fp16", z_ptr="*u8", ws_ptr="*fp32", cnt_ptr="*i32")
-    usage = sm90_tool(gemv_w4._rows_gemv_kernel, const, ptrs, warps, 1, "cuobjdump",
-                      "--dump-resource-usage")
-    sass = sm90_tool(gemv_w4._rows_gemv_kernel, const, ptrs, warps, 1, "nvdisasm", "-c")
-    print(arg, re.search(r"REG:(\\d+)", usage).group(1), sass.count("LOP3.LUT"),
-          sass.count("HFMA2"))
-"""
-
-
-@pytest.mark.skipif(CUDA, reason="compiled for sm_90 on a machine without a GPU")
-def test_rows_tiles_compile_for_hopper():
-    """ptxas takes the ROWS tiles' PTX (the interpreter does not run it), a row and two rows a
-    thread, fp16 and bf16 inputs: lop3 opens the codes, fp16-pair FMAs multiply (two rows: twice
-    as many), within 128 registers a thread."""
-    one = next(i for i, c in enumerate(gemv_w4.ROWS_CANDIDATES) if c[0] == 32 * c[2])
-    two = next(i for i, c in enumerate(gemv_w4.ROWS_CANDIDATES) if c[0] == 64 * c[2])
-    args = [f"{one}:fp16", f"{one}:bf16", f"{two}:fp16", f"{two}:bf16"]
-    out = compiled_for_hopper(HOPPER_ROWS, *args).split()
-    got = {out[j]: tuple(map(int, out[j + 1:j + 4])) for j in range(0, len(out), 4)}
-    assert set(got) == set(args), out
-    for arg, (regs, lop3, hfma2) in got.items():
-        assert regs <= 128 and lop3 >= 64 and hfma2 >= 128, (arg, got)
-    assert got[f"{two}:fp16"][2] >= 2 * 128 > got[f"{one}:fp16"][2] - 16, got
 
 
 def test_block_k_stays_inside_a_group():

@@ -53,9 +53,8 @@ SPLIT_CANDIDATES = ((16, 1024, 4, 3, False, True), (32, 512, 4, 4, False, True),
 KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
                      (128, 256, 4, 3, False, 2, 4), (64, 256, 4, 3, False, 2, 8),
                      (32, 512, 4, 4, False, 2, 4), (32, 512, 4, 4, False, 2, 2),
-                     (64, 256, 4, 3, False, 3, 2), (64, 128, 4, 3, False, 3, 2),
-                     (64, 128, 4, 3, False, 3, 4), (64, 128, 4, 3, False, 3, 8),
-                     (128, 128, 8, 3, False, 3, 4),
+                     (64, 256, 4, 3, False, 3, 2), (64, 128, 4, 3, False, 3, 4),
+                     (64, 128, 4, 3, False, 3, 8),
                      (16, 1024, 4, 3, False, True, 2),
                      (32, 512, 4, 4, False, True, 4), (16, 512, 4, 4, False, True, 4))
 # wider steps: swap-AB GEMM tiles ("t", BLOCK_N, BLOCK_M, SUB_K, num_warps, num_stages, SPLIT),
@@ -317,10 +316,9 @@ def _words_step(acc, w, x_ptr, kk, z, s, SUB_K: tl.constexpr, BF16: tl.constexpr
     else:
         xw = x_ptr.to(tl.pointer_type(tl.int64)) + 2 * (tl.multiple_of(kk >> 3, SUB_K // 8)
                                                         + wcol)
-        xa, xb = tl.load(xw[:, :, None] + tl.arange(0, 2)[None, None, :]).split()
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
             _PAIRS_FROM_BF16 if BF16 else _PAIRS_FROM_F16, "=r,=r,=r,=r,l,l",
-            [xa, xb], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+            [tl.load(xw), tl.load(xw + 1)], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
         out = tl.inline_asm_elementwise(
             _WORDS_ASM, _WORDS_CONSTRAINTS, [acc, w, p0, p1, p2, p3, z.to(tl.float16), s],
             dtype=tl.float32, is_pure=True, pack=4)
@@ -349,31 +347,22 @@ def _words_load(q32_rows, s_ptr, z_ptr, n, ok, N, k0, k_end, GROUP: tl.constexpr
 
 
 @triton.jit
-def _words_sum(x_ptr, q_ptr, s_ptr, z_ptr, n, N, stride_q, k_lo, k_len, GROUP: tl.constexpr,
-               SUB_K: tl.constexpr, BF16: tl.constexpr):
+def _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP: tl.constexpr,
+               BLOCK_N: tl.constexpr, SUB_K: tl.constexpr, BF16: tl.constexpr):
     """WORDS: the [BLOCK_N] fp32 sums x . W over input columns k_lo .. k_lo + k_len of one
     16-bit input row, SUB_K columns (one piece) an iteration. The code words, scales and zero
     points are loaded an iteration ahead (carried in registers): the compiler otherwise issues
     a piece's loads just before its products, and a program's warps then keep too few bytes
     in flight to cover the memory's latency. The input (a few KB every program reads, from
-    L2) is loaded in the iteration that uses it. Nothing in the loop is masked, which kept a
-    fifth of its instructions busy with predicates (H100 call 80's profile: the loop issued
-    3.3 instructions a weight where the products take 1.6): rows past N read row N - 1 (their
-    sums are never stored), and the last iteration loads its own piece again as the next."""
-    nc = tl.minimum(n, N - 1)[:, None]
-    wcol = tl.arange(0, SUB_K // 8)[None, :]
-    qp = (q_ptr + nc.to(tl.int64) * stride_q).to(tl.pointer_type(tl.int32)) + wcol
-    sp, zp = s_ptr + nc, z_ptr + nc
-    k_last = k_lo + k_len - SUB_K
-    acc = tl.zeros(qp.shape, dtype=tl.float32)
-    g = (k_lo.to(tl.uint32) // GROUP).to(tl.int32)
-    w = tl.load(qp + tl.multiple_of(k_lo >> 3, SUB_K // 8), eviction_policy="evict_first")
-    s, z = tl.load(sp + g * N).to(tl.float32), tl.load(zp + g * N).to(tl.float32)
-    for k0 in range(k_lo, k_lo + k_len, SUB_K):
-        kn = tl.minimum(k0 + SUB_K, k_last)
-        gn = (kn.to(tl.uint32) // GROUP).to(tl.int32)
-        w1 = tl.load(qp + tl.multiple_of(kn >> 3, SUB_K // 8), eviction_policy="evict_first")
-        s1, z1 = tl.load(sp + gn * N).to(tl.float32), tl.load(zp + gn * N).to(tl.float32)
+    L2) is loaded in the iteration that uses it."""
+    q32 = q_rows.to(tl.pointer_type(tl.int32))
+    ok = n_ok[:, None]
+    k_end = k_lo + k_len
+    acc = tl.zeros([BLOCK_N, SUB_K // 8], dtype=tl.float32)
+    w, s, z = _words_load(q32, s_ptr, z_ptr, n, ok, N, k_lo, k_end, GROUP, SUB_K, True)
+    for k0 in range(k_lo, k_end, SUB_K):
+        w1, s1, z1 = _words_load(q32, s_ptr, z_ptr, n, ok, N, k0 + SUB_K, k_end, GROUP,
+                                 SUB_K, True)
         acc = _words_step(acc, w, x_ptr, k0, z, s, SUB_K, BF16)
         w, s, z = w1, s1, z1
     return tl.sum(acc, axis=1) * WORDS_UP
@@ -450,8 +439,8 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
     else:
         k_lo = 0
     if SPLIT == 3 and BLOCK_K == SUB_K:    # WORDS, one piece an iteration: loads ahead
-        yw = _words_sum(x_ptr, q_ptr, s_ptr, z_ptr, n, N, stride_q, k_lo, k_len, GROUP, SUB_K,
-                        x_ptr.dtype.element_ty == tl.bfloat16)
+        yw = _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP,
+                        BLOCK_N, SUB_K, x_ptr.dtype.element_ty == tl.bfloat16)
     else:
         for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
             for i in tl.static_range(BLOCK_K // SUB_K):
@@ -531,241 +520,6 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
             y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
                  y.to(y_ptr.dtype.element_ty), mask=ok)
-
-
-# ROWS tiles (SPLIT = 4; one 16-bit row, no prologue, groups of a multiple of 128): a thread
-# owns one output row and takes a 128-column piece of it (sixteen code words, 64 bytes) an
-# iteration, so its scale, zero point, their conversions and the fp16 sums' widening come once
-# per 128 weights, where the WORDS tiles' threads split a piece four ways and do them once per
-# 32. Every load is PTX of its own (the codes, an iteration ahead, and the input's columns
-# paired as WORDS pairs them): with one element a thread and nothing for triton to coalesce,
-# no tensor changes layout. (BLOCK_N = 32 x num_warps, 128, num_warps, 1, False, 4, KSPLIT).
-ROWS_CANDIDATES = ((128, 128, 4, 1, False, 4, 2), (128, 128, 4, 1, False, 4, 4),
-                   (128, 128, 4, 1, False, 4, 8), (128, 128, 4, 1, False, 4, 16),
-                   (256, 128, 4, 1, False, 4, 2), (256, 128, 4, 1, False, 4, 4),
-                   (256, 128, 4, 1, False, 4, 8), (128, 128, 2, 1, False, 4, 4),
-                   (128, 128, 2, 1, False, 4, 8), (128, 128, 2, 1, False, 4, 16))
-# sixteen code words of a row: $16 its address
-_ROW_CODES_PTX = tl.constexpr("""{
-ld.global.L1::evict_first.v4.u32 {$0, $1, $2, $3}, [$16];
-ld.global.L1::evict_first.v4.u32 {$4, $5, $6, $7}, [$16+16];
-ld.global.L1::evict_first.v4.u32 {$8, $9, $10, $11}, [$16+32];
-ld.global.L1::evict_first.v4.u32 {$12, $13, $14, $15}, [$16+48];
-}""")
-# a row's scale s (fp16 at $3, widened, times WORDS_UP) and zero point z (a byte at $4) as
-# $0 = s * 128 and the fp16 pairs $1 = -(8 + z / 128) twice, $2 = -(0.5 + z / 128) twice
-_ROW_META_PTX = tl.constexpr("""{
-.reg .b16 hs, hz;
-.reg .b32 z2, c;
-ld.global.b16 hs, [$3];
-ld.global.u8 hz, [$4];
-cvt.f32.f16 $0, hs;
-mul.rn.f32 $0, $0, 0f43000000;
-cvt.rn.f16.u16 hz, hz;
-mov.b32 z2, {hz, hz};
-mov.b32 c, 0xA000A000;
-mov.b32 $1, 0xC800C800;
-mov.b32 $2, 0xB800B800;
-fma.rn.f16x2 $1, z2, c, $1;
-fma.rn.f16x2 $2, z2, c, $2;
-}""")
-
-
-def _row_pairs_ptx(bf16: bool) -> str:
-    """Four words' input columns (64 bytes at $16) as WORDS pairs them: per word $4w.. (x0,
-    x4), (x1, x5), (x2, x6), (x3, x7) in fp16 pairs (bf16 inputs rounded to fp16)."""
-    body = ".reg .b32 a0, a1, b0, b1, lo, hi;\n"
-    for w in range(4):
-        body += f"ld.global.v4.u32 {{a0, a1, b0, b1}}, [$16+{16 * w}];\n"
-        if bf16:
-            for i in range(2):
-                body += (f"shl.b32 lo, a{i}, 16;\nshl.b32 hi, b{i}, 16;\n"
-                         f"cvt.rn.f16x2.f32 ${4 * w + 2 * i}, hi, lo;\n"
-                         f"and.b32 lo, a{i}, 0xFFFF0000;\nand.b32 hi, b{i}, 0xFFFF0000;\n"
-                         f"cvt.rn.f16x2.f32 ${4 * w + 2 * i + 1}, hi, lo;\n")
-        else:
-            body += "".join(f"prmt.b32 ${4 * w + 2 * i + h}, a{i}, b{i}, {sel};\n"
-                            for i in range(2) for h, sel in enumerate(("0x5410", "0x7632")))
-    return "{\n" + body + "}"
-
-
-_ROW_PAIRS_F16 = tl.constexpr(_row_pairs_ptx(False))
-_ROW_16_FROM_PTR = tl.constexpr(",".join(["=r"] * 16 + ["l"]))
-_ROW_QUAD_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 2 + ["r"] * 24))
-_ROW_PAIRS_BF16 = tl.constexpr(_row_pairs_ptx(True))
-# four code words ($4-$7) against their input pairs ($8-$23, as _row_pairs_ptx gives them) into
-# the fp16-pair sums $0, $1 (in: $2, $3), with the row's $24 = -(8 + z / 128) and
-# $25 = -(0.5 + z / 128) pairs: _WORD_PTX per word
-_ROW_QUAD_PTX = tl.constexpr("""{
-.reg .b32 t, l, h, a0, a1, cl, ch, zl, zh;
-mov.b32 a0, $2;
-mov.b32 a1, $3;
-mov.b32 cl, 0x20002000;
-mov.b32 ch, 0x10001000;
-mov.b32 zl, $24;
-mov.b32 zh, $25;
-""" + "".join(_WORD_PTX.format(w=f"${4 + i}", p0=f"${8 + 4 * i}", p1=f"${9 + 4 * i}",
-                               p2=f"${10 + 4 * i}", p3=f"${11 + 4 * i}") for i in range(4))
-    + """mov.b32 $0, a0;
-mov.b32 $1, a1;
-}""")
-# the fp16-pair sums $1, $2 widened, added and times the row's scale ($3) into $0 (in: $4)
-_ROW_WIDEN_PTX = tl.constexpr("""{
-.reg .b32 t;
-.reg .b16 u0, u1;
-.reg .f32 f0, f1;
-add.rn.f16x2 t, $1, $2;
-mov.b32 {u0, u1}, t;
-cvt.f32.f16 f0, u0;
-cvt.f32.f16 f1, u1;
-add.rn.f32 f0, f0, f1;
-fma.rn.f32 $0, f0, $3, $4;
-}""")
-
-
-@triton.jit
-def _row_codes(qw, k0):
-    """ROWS: the sixteen code words (int32 [BLOCK_N] each) of the rows at qw (int32 pointers
-    to the rows' first words) for input columns k0 .. k0 + 128."""
-    return tl.inline_asm_elementwise(_ROW_CODES_PTX, _ROW_16_FROM_PTR,
-                                     [qw + (k0 >> 3)], dtype=(tl.int32,) * 16, is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
-def _row_meta(sp, zp, g, N):
-    """ROWS: (s * 128, zl, zh) of group g for the rows at sp, zp (see _ROW_META_PTX). The
-    zero points' address goes in typed as the scales' (an asm's pointer operands must agree in
-    type for triton 3.6; the PTX loads a byte from it)."""
-    zq = (zp + g * N).to(tl.pointer_type(tl.float16))
-    return tl.inline_asm_elementwise(_ROW_META_PTX, "=r,=r,=r,l,l", [sp + g * N, zq],
-                                     dtype=(tl.float32, tl.int32, tl.int32), is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
-def _row_quad(a0, a1, w, j: tl.constexpr, p, zl, zh):
-    """ROWS: code words 4j .. 4j + 3 of w (_row_codes) against their input pairs p into the
-    fp16-pair sums a0, a1 (_ROW_QUAD_PTX)."""
-    return tl.inline_asm_elementwise(
-        _ROW_QUAD_PTX, _ROW_QUAD_CONSTRAINTS,
-        [a0, a1, w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3], p[0], p[1], p[2], p[3],
-         p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], p[12], p[13], p[14], p[15], zl, zh],
-        dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-
-
-@triton.jit
-def _row_widen(a0, a1, s, acc):
-    return tl.inline_asm_elementwise(_ROW_WIDEN_PTX, "=r,r,r,r,r", [a0, a1, s, acc],
-                                     dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _rows_interpreted(x_ptr, qrow, sp, zp, N, k_lo, k_len, GROUP: tl.constexpr):
-    """ROWS in the CPU interpreter, which runs no PTX: the same products, summed in fp32."""
-    acc = tl.zeros(qrow.shape, dtype=tl.float32)
-    for k0 in range(k_lo, k_lo + k_len, 128):
-        cols = k0 + tl.arange(0, 128)
-        b = tl.load(qrow[:, None] + (cols[None, :] // 2)).to(tl.int32)
-        q = tl.where((cols % 2 == 0)[None, :], b & 0xF, b >> 4).to(tl.float32)
-        g = k0 // GROUP
-        s = tl.load(sp + g * N).to(tl.float32)
-        z = tl.load(zp + g * N).to(tl.float32)
-        xk = tl.load(x_ptr + cols).to(tl.float32)
-        acc += tl.sum(xk[None, :] * (q - z[:, None]), axis=1) * s
-    return acc
-
-
-@triton.jit
-def _rows_sum(x_ptr, q_ptr, s_ptr, z_ptr, n, N, stride_q, k_lo, k_len, GROUP: tl.constexpr,
-              TWO: tl.constexpr, BF16: tl.constexpr):
-    """ROWS: the fp32 sums x . W of rows n and (TWO) n + len(n) over input columns k_lo ..
-    k_lo + k_len (128 an iteration) of one 16-bit input row, a thread a row (two: both take
-    each piece's input pairs). Rows past N read row N - 1 (their sums are never stored); the
-    codes, scales and zero points are loaded an iteration ahead, the last iteration loading
-    its own again."""
-    na = tl.minimum(n, N - 1)
-    nb = tl.minimum(n + n.shape[0], N - 1)
-    qa = q_ptr + na.to(tl.int64) * stride_q
-    qb = q_ptr + nb.to(tl.int64) * stride_q
-    if INTERPRET:
-        acc = _rows_interpreted(x_ptr, qa, s_ptr + na, z_ptr + na, N, k_lo, k_len, GROUP)
-        acc_b = acc
-        if TWO:
-            acc_b = _rows_interpreted(x_ptr, qb, s_ptr + nb, z_ptr + nb, N, k_lo, k_len, GROUP)
-    else:
-        qwa = qa.to(tl.pointer_type(tl.int32))
-        qwb = qb.to(tl.pointer_type(tl.int32))
-        xw = (x_ptr + tl.zeros(n.shape, dtype=tl.int32)).to(tl.pointer_type(tl.int32))
-        k_last = k_lo + k_len - 128
-        acc = tl.zeros(n.shape, dtype=tl.float32)
-        acc_b = acc
-        w = _row_codes(qwa, k_lo)
-        s, zl, zh = _row_meta(s_ptr + na, z_ptr + na, k_lo // GROUP, N)
-        v, t, yl, yh = w, s, zl, zh
-        if TWO:
-            v = _row_codes(qwb, k_lo)
-            t, yl, yh = _row_meta(s_ptr + nb, z_ptr + nb, k_lo // GROUP, N)
-        for k0 in range(k_lo, k_lo + k_len, 128):
-            kn = tl.minimum(k0 + 128, k_last)
-            w1 = _row_codes(qwa, kn)
-            s1, zl1, zh1 = _row_meta(s_ptr + na, z_ptr + na, kn // GROUP, N)
-            v1, t1, yl1, yh1 = w1, s1, zl1, zh1
-            if TWO:
-                v1 = _row_codes(qwb, kn)
-                t1, yl1, yh1 = _row_meta(s_ptr + nb, z_ptr + nb, kn // GROUP, N)
-            zero = tl.zeros(n.shape, dtype=tl.int32)
-            a0, a1, b0, b1 = zero, zero, zero, zero
-            for j in tl.static_range(4):
-                p = tl.inline_asm_elementwise(
-                    _ROW_PAIRS_BF16 if BF16 else _ROW_PAIRS_F16, _ROW_16_FROM_PTR,
-                    [xw + (k0 // 2 + 16 * j)], dtype=(tl.int32,) * 16, is_pure=True, pack=1)
-                a0, a1 = _row_quad(a0, a1, w, j, p, zl, zh)
-                if TWO:
-                    b0, b1 = _row_quad(b0, b1, v, j, p, yl, yh)
-                if j % 2 == 1:      # sixteen products a lane at most, as the HALF tiles
-                    acc = _row_widen(a0, a1, s, acc)
-                    a0, a1 = zero, zero
-                    if TWO:
-                        acc_b = _row_widen(b0, b1, t, acc_b)
-                        b0, b1 = zero, zero
-            w, s, zl, zh = w1, s1, zl1, zh1
-            v, t, yl, yh = v1, t1, yl1, yh1
-    return acc, acc_b
-
-
-@triton.jit
-def _rows_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, K,
-                      stride_q, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
-                      KSPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, prefetch_programs,
-                      USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    """ROWS_CANDIDATES' tiles: y[0, n] for BLOCK_N outputs (TWO: two a thread, rows i and
-    i + BLOCK_N / 2), program (pid, 0, ks) over input columns ks * K / KSPLIT.. (split_k_sum
-    adds the splits)."""
-    pid, ks = tl.program_id(0), tl.program_id(2)
-    HALF_N: tl.constexpr = BLOCK_N // 2 if TWO else BLOCK_N
-    n = pid * BLOCK_N + tl.arange(0, HALF_N)
-    k_len = K // KSPLIT
-    pdl_trigger(USE_PDL)
-    if PREFETCH:
-        if pid < prefetch_programs and ks == 0:
-            l2_prefetch(q_ptr + pid * BLOCK_N * stride_q, BLOCK_N * stride_q)
-    pdl_wait(USE_PDL)
-    ya, yb = _rows_sum(x_ptr, q_ptr, s_ptr, z_ptr, n, N, stride_q, ks * k_len, k_len, GROUP,
-                       TWO, x_ptr.dtype.element_ty == tl.bfloat16)
-    if TWO:
-        y = tl.join(ya, yb).reshape(BLOCK_N)
-        n = tl.join(n, n + HALF_N).reshape(BLOCK_N)
-    else:
-        y = ya
-    ok = n < N
-    last = True
-    if KSPLIT > 1:
-        y, last = split_k_sum(y, ws_ptr, cnt_ptr, pid, ks, n, ok, N, KSPLIT)
-    if last:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 # The swap-AB pair tiles' codes opened in PTX: $0-$1 the low nibbles' q - z and $2-$3 the high
@@ -897,8 +651,6 @@ def half_fits(config: tuple, group: int, row_bytes: int = 0) -> bool:
     `row_bytes` long, a multiple of 16, pieces of 32 columns or more)."""
     block_n, block_k, warps, _, _, split = config[:6]
     sub_k = _block_k(block_k, group)
-    if split == 4:      # ROWS: a thread a row, 64 code bytes of a 128-column piece
-        return row_bytes % 16 == 0 and group % 128 == 0 and block_n in (32 * warps, 64 * warps)
     if split == 3:
         return row_bytes % 16 == 0 and sub_k >= 32 and block_n * sub_k // 2 >= 16 * 32 * warps
     return block_n * sub_k // 2 >= 8 * 32 * warps
@@ -1016,11 +768,8 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         f"{config} takes one 16-bit row, no prologue and 8 / 16 code bytes a thread, not {m} " \
         f"rows of {x.dtype}, prologue {prologue}, group {pw.group_size}, " \
         f"{pw.qweight.stride(0)} code bytes a row"
-    if split >= 3 and x.data_ptr() % 16:    # WORDS / ROWS read the input in 16-byte loads
+    if split == 3 and x.data_ptr() % 16:    # WORDS reads the input in 8-byte loads
         x = x.clone()
-    if split == 4:
-        assert pw.scales.dtype == torch.float16, f"ROWS tile {config} reads fp16 scales"
-        return _rows_gemv(x, pw, bias, block_n, warps, ksplit)
     block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     r = r_out = x
@@ -1047,25 +796,6 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
         PREFETCH=pf > 0, num_warps=warps, num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
-
-
-def _rows_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, block_n: int, warps: int,
-               ksplit: int) -> torch.Tensor:
-    """packed_gemv with a ROWS_CANDIDATES tile (one 16-bit row, 16-byte aligned)."""
-    n, k = pw.shape
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    pf = prefetch_programs(pw.qweight, block_n * pw.qweight.shape[1], True) \
-        if n % block_n == 0 else 0
-    tiles = triton.cdiv(n, block_n)
-    ws, counts = _split_k_buffers(x.device, ksplit * MAX_ROWS * n, tiles) if ksplit > 1 \
-        else (y, y)
-    _rows_gemv_kernel[(tiles, 1, ksplit)](
-        x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, ws, counts, n,
-        k, pw.qweight.stride(0), GROUP=pw.group_size, BLOCK_N=block_n,
-        TWO=block_n == 64 * warps, KSPLIT=ksplit,
-        HAS_BIAS=bias is not None, prefetch_programs=pf, PREFETCH=pf > 0, num_warps=warps,
-        num_stages=1, **pdl_launch(x))
-    return y
 
 
 def _swap_gemm(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple, prologue: int):

@@ -21,9 +21,9 @@ import triton
 
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL
 from pagedbackend.kernels.gemv_w4 import (CANDIDATES, DOT_CANDIDATES, HALF_CANDIDATES,
-                                          KSPLIT_CANDIDATES, MAX_ROWS, ROWS_CANDIDATES,
-                                          SPLIT_CANDIDATES, SWAP_CANDIDATES, WORDS_CANDIDATES,
-                                          _block_k, half_fits, packed_gemv)
+                                          KSPLIT_CANDIDATES, MAX_ROWS, SPLIT_CANDIDATES,
+                                          SWAP_CANDIDATES, WORDS_CANDIDATES, _block_k, half_fits,
+                                          packed_gemv)
 
 logger = logging.getLogger("pagedbackend")
 
@@ -124,11 +124,6 @@ def _tiles(rows: int, pw, dtype: torch.dtype = torch.bfloat16) -> tuple:
         ksplit = tuple(c for c in KSPLIT_CANDIDATES
                        if pw.bits == 4 and pw.shape[1] % (c[6] * pw.group_size) == 0
                        and (c[5] is True or half_ok and half_fits(c, pw.group_size, row)))
-        # ROWS: fp16 scales (PackedWeight keeps fp32 ones where fp16 would round them)
-        ksplit += tuple(c for c in ROWS_CANDIDATES
-                        if half_ok and pw.scales.dtype == torch.float16
-                        and pw.shape[1] % (c[6] * pw.group_size) == 0
-                        and half_fits(c, pw.group_size, row))
         return fma + half + ksplit
     return tuple(c for c in fma
                  if rows * c[0] * _block_k(c[1], pw.group_size) <= 64 * 32 * c[2]) \
