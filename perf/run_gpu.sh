@@ -9,15 +9,16 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (after H100 calls 78-79, perf/RESULTS.md): "w1awqprof" (~5 min: W1 AWQ bf16 and
-# fp16 under the profiler: where bf16's extra 0.4-0.65 ms a step goes), "w4wide" (~2 min:
-# the swap-AB pair tiles at 64-8,192 rows) with NCU_TILES naming the HALF / WORDS / split-K and
-# pair tiles for "ncu" (~2 min; any Hopper); on an H200, "dmon w1pairs" (~5 min: W1 fp8 / int8
-# with the fp16-pair tiles at 64 registers), "dequant fp8mma" (~4 min: the W8A8 fp8 tiles at
-# 1-64 rows, W1 fp8 A/B) then "w2awq" (~5 min: AWQ 0.854x bf16 on an H100), "correctnessw8a8
-# correctnessawq correctnessgptq", "servefp8" (~8 min, carry models/dummy/llama-3.1-8b: W4
-# with fp8 weights) and "w5cb" (~3 min). Pass PAGEDBACKEND_COMMIT as a literal hash computed
-# here: on the device `git rev-parse` reads a stale .git (calls 71-73).
+# Next calls (after H100 calls 80-82, perf/RESULTS.md): "w1awqprof" (~6 min, a call of its
+# own: two engines need more than 250 s; W1 AWQ bf16 and fp16 under the profiler, the fp16
+# figure on an H200 the goal's), "w4runs" on an H200 (~1 min: the one-row tiles' read bound
+# there), "w4wide" (~2 min: the swap-AB pair tiles at 64-8,192 rows); on an H200, "dmon
+# w1pairs" (~5 min: W1 fp8 / int8 with the fp16-pair tiles at 64 registers), "dequant fp8mma"
+# (~4 min: the W8A8 fp8 tiles at 1-64 rows, W1 fp8 A/B) then "w2awq" (~5 min: AWQ 0.854x
+# bf16 on an H100), "correctnessw8a8 correctnessawq correctnessgptq", "servefp8" (~8 min,
+# carry models/dummy/llama-3.1-8b: W4 with fp8 weights) and "w5cb" (~3 min). Pass
+# PAGEDBACKEND_COMMIT as a literal hash computed here: on the device `git rev-parse` reads a
+# stale .git (calls 71-73).
 run() {  # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -161,8 +162,8 @@ for s in $stages; do
            python3 perf/ncu_tiles.py ${NCU_TILES:-} ;;
     # the 4-bit dequantization (dequantize + cuBLAS's first half) at the four shapes: the
     # word-pair kernel at a few tiles against the converting one, ~30 s
-    # the codes alone read in the one-row tiles' pattern, row-major against tile-contiguous
-    # (is a row's run of 64-128 bytes what holds the 4-bit tiles at ~1.8 TB/s?), ~1.5 min
+    # the codes alone read in the one-row tiles' pattern, row-major against tile-contiguous:
+    # the read bound of the 4-bit one-row tiles (H100 call 80: 2.5-2.7 TB/s, any run), ~1 min
     w4runs) run w4runs 200 python3 perf/kernels_bench.py --only w4runs ;;
     dequant) run dequant 90 python3 perf/kernels_bench.py --only dequant ;;
     w2awq) run w2awq 480 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
