@@ -242,10 +242,10 @@ import re
 import sys
 from pagedbackend.kernels import gemv_w4
 for arg in sys.argv[1:]:
-    i, dt, ksplit = arg.split(":")
+    i, dt, ksplit, group = (arg + ":128").split(":")[:4]
     block_n, block_k, warps, stages, _, split = gemv_w4.WORDS_CANDIDATES[int(i)]
-    sub_k, block_k = gemv_w4._tile_k(block_k, 128, 4096 // int(ksplit))
-    const = dict(GROUP=128, BITS=4, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
+    sub_k, block_k = gemv_w4._tile_k(block_k, int(group), 4096 // int(ksplit))
+    const = dict(GROUP=int(group), BITS=4, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
                  HAS_BIAS=False, SPLIT=split, KSPLIT=int(ksplit), USE_DOT=False,
                  PRECISION="tf32", PROLOGUE=0, USE_PDL=True, PREFETCH=True)
     ptrs = {n: "*" + dt for n in ("x_ptr", "b_ptr", "y_ptr", "r_ptr", "r_out_ptr", "g_ptr")}
@@ -260,13 +260,15 @@ for arg in sys.argv[1:]:
 
 @pytest.mark.skipif(CUDA, reason="compiled for sm_90 on a machine without a GPU")
 def test_words_tiles_compile_for_hopper():
-    """ptxas takes the WORDS tiles' PTX (the interpreter does not run it) in both forms, the
-    one that carries the next piece's loads (BLOCK_K one piece) and the one that does not, with
+    """ptxas takes the WORDS tiles' PTX (the interpreter does not run it) in its three forms:
+    one piece an iteration loaded an iteration ahead (BLOCK_K one piece), two pieces the same
+    way (group 128, BLOCK_K 256), and four pieces loaded in their iteration (group 64); with
     fp16 and bf16 inputs, whole-K and split-K: lop3 opens the codes, fp16-pair FMAs multiply,
     and a thread keeps to at most 128 registers (four programs of 4 warps a SM)."""
     ahead = next(i for i, c in enumerate(gemv_w4.WORDS_CANDIDATES) if c[1] == 128)
     pieces = next(i for i, c in enumerate(gemv_w4.WORDS_CANDIDATES) if c[1] == 256)
-    args = [f"{ahead}:fp16:1", f"{ahead}:bf16:4", f"{pieces}:fp16:2", f"{pieces}:bf16:1"]
+    args = [f"{ahead}:fp16:1", f"{ahead}:bf16:4", f"{pieces}:fp16:2", f"{pieces}:bf16:1",
+            f"{pieces}:fp16:1:64"]
     out = compiled_for_hopper(HOPPER_WORDS, *args).split()
     got = {out[j]: tuple(map(int, out[j + 1:j + 4])) for j in range(0, len(out), 4)}
     assert set(got) == set(args), out

@@ -147,8 +147,9 @@ HALF_CANDIDATES = ((128, 256, 4, 3, False, 2), (64, 256, 4, 3, False, 2),
 # into fp32 with the scale (_words_step). The input is paired once per thread and column
 # (_PAIRS_FROM_F16 / _BF16), shared by the thread's rows; each thread reads sixteen code
 # bytes of a row (one scale and zero point for 32 weights, where HALF's threads take eight).
-# A BLOCK_K of one piece (inside a group) loads each iteration's codes an iteration ahead
-# (_words_sum). Measured on an H100 (perf/RESULTS.md, call 78): with fp16 inputs the split-K
+# A BLOCK_K of one piece (inside a group), or of two, loads each iteration's codes an
+# iteration ahead (_words_sum; two pieces since the seventeenth session, not measured yet:
+# twice the bytes in flight a thread at the same 64 registers). Measured on an H100 (perf/RESULTS.md, call 78): with fp16 inputs the split-K
 # forms of (64, 128, 4) beat the best HALF tile by 1.00-1.10x, with bf16 inputs 0.96-1.03x;
 # whole-K tiles never win (few programs), and BLOCK_N 128 at 4 warps ran 2-3x slower than
 # BLOCK_N 64 (95 registers; the carried tile went through shared memory): kept out.
@@ -348,23 +349,36 @@ def _words_load(q32_rows, s_ptr, z_ptr, n, ok, N, k0, k_end, GROUP: tl.constexpr
 
 @triton.jit
 def _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP: tl.constexpr,
-               BLOCK_N: tl.constexpr, SUB_K: tl.constexpr, BF16: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+               BF16: tl.constexpr):
     """WORDS: the [BLOCK_N] fp32 sums x . W over input columns k_lo .. k_lo + k_len of one
-    16-bit input row, SUB_K columns (one piece) an iteration. The code words, scales and zero
-    points are loaded an iteration ahead (carried in registers): the compiler otherwise issues
-    a piece's loads just before its products, and a program's warps then keep too few bytes
-    in flight to cover the memory's latency. The input (a few KB every program reads, from
-    L2) is loaded in the iteration that uses it."""
+    16-bit input row, BLOCK_K columns (one piece of SUB_K, or two) an iteration. The code
+    words, scales and zero points are loaded an iteration ahead (carried in registers): the
+    compiler otherwise issues a piece's loads just before its products, and a program's warps
+    then keep too few bytes in flight to cover the memory's latency (H100 calls 80-82: the
+    one-row tiles are held by that, not by their instructions). Two pieces an iteration keep
+    twice the bytes in flight a thread. The input (a few KB every program reads, from L2) is
+    loaded in the iteration that uses it."""
+    TWO: tl.constexpr = BLOCK_K == 2 * SUB_K
     q32 = q_rows.to(tl.pointer_type(tl.int32))
     ok = n_ok[:, None]
     k_end = k_lo + k_len
     acc = tl.zeros([BLOCK_N, SUB_K // 8], dtype=tl.float32)
     w, s, z = _words_load(q32, s_ptr, z_ptr, n, ok, N, k_lo, k_end, GROUP, SUB_K, True)
-    for k0 in range(k_lo, k_end, SUB_K):
-        w1, s1, z1 = _words_load(q32, s_ptr, z_ptr, n, ok, N, k0 + SUB_K, k_end, GROUP,
+    if TWO:
+        v, t, y = _words_load(q32, s_ptr, z_ptr, n, ok, N, k_lo + SUB_K, k_end, GROUP, SUB_K,
+                              True)
+    for k0 in range(k_lo, k_end, BLOCK_K):
+        w1, s1, z1 = _words_load(q32, s_ptr, z_ptr, n, ok, N, k0 + BLOCK_K, k_end, GROUP,
                                  SUB_K, True)
+        if TWO:
+            v1, t1, y1 = _words_load(q32, s_ptr, z_ptr, n, ok, N, k0 + BLOCK_K + SUB_K,
+                                     k_end, GROUP, SUB_K, True)
         acc = _words_step(acc, w, x_ptr, k0, z, s, SUB_K, BF16)
         w, s, z = w1, s1, z1
+        if TWO:
+            acc = _words_step(acc, v, x_ptr, k0 + SUB_K, y, t, SUB_K, BF16)
+            v, t, y = v1, t1, y1
     return tl.sum(acc, axis=1) * WORDS_UP
 
 
@@ -438,9 +452,9 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
     else:
         k_lo = 0
-    if SPLIT == 3 and BLOCK_K == SUB_K:    # WORDS, one piece an iteration: loads ahead
+    if SPLIT == 3 and BLOCK_K <= 2 * SUB_K:    # WORDS, one or two pieces: loads ahead
         yw = _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP,
-                        BLOCK_N, SUB_K, x_ptr.dtype.element_ty == tl.bfloat16)
+                        BLOCK_N, BLOCK_K, SUB_K, x_ptr.dtype.element_ty == tl.bfloat16)
     else:
         for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
             for i in tl.static_range(BLOCK_K // SUB_K):
@@ -500,7 +514,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                         acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
     if USE_DOT:
         y = acc2
-    elif SPLIT == 3 and BLOCK_K == SUB_K:
+    elif SPLIT == 3 and BLOCK_K <= 2 * SUB_K:
         y = yw[None, :]
     elif SPLIT == 3:
         y = tl.sum(acc1, axis=1)[None, :] * WORDS_UP
