@@ -11,8 +11,9 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
 # Next calls (after H100 calls 80-82, perf/RESULTS.md): "w1awqprof" (~6 min, a call of its
 # own: two engines need more than 250 s; W1 AWQ bf16 and fp16 under the profiler, the fp16
-# figure on an H200 the goal's), "w4runs" on an H200 (~1 min: the one-row tiles' read bound
-# there), "w4wide" (~2 min: the swap-AB pair tiles at 64-8,192 rows); on an H200, "dmon
+# figure on an H200 the goal's), "w4words" (~2 min: the WORDS tiles that load two pieces
+# ahead, against HALF), "w4runs" on an H200 (~1 min: the one-row tiles' read bound there),
+# "w4wide" (~2 min: the swap-AB pair tiles at 64-8,192 rows); on an H200, "dmon
 # w1pairs" (~5 min: W1 fp8 / int8 with the fp16-pair tiles at 64 registers), "dequant fp8mma"
 # (~4 min: the W8A8 fp8 tiles at 1-64 rows, W1 fp8 A/B) then "w2awq" (~5 min: AWQ 0.854x
 # bf16 on an H100), "correctnessw8a8 correctnessawq correctnessgptq", "servefp8" (~8 min,
