@@ -586,7 +586,7 @@ def bench_w4_runs():
                         if ok:
                             table.append((name, 4 * w, blocked, tb, label))
     print("\n| shape | run bytes | layout | best TB/s | read as |\n|---|---:|---|---:|---|")
-    for name, _, k in LLAMA_MATMULS[2:]:
+    for name, _, _ in LLAMA_MATMULS[2:]:
         for run_b in sorted({t[1] for t in table if t[0] == name}):
             for blocked in (False, True):
                 got = [t for t in table if t[:3] == (name, run_b, blocked)]
@@ -624,8 +624,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also try a few tile configs")
     ap.add_argument("--only", default="",
                     help="comma-separated parts to run: decode, mixedlen, fp8, fp8in, prefill, "
-                         "mixed, elementwise, w4, w4wide, w4words, w4runs, bytes, fp8mma, dequant "
-                         "(default: all)")
+                         "mixed, elementwise, w4, w4wide, w4words, w4runs, bytes, fp8mma, "
+                         "dequant (default: all)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "kernels_bench needs a CUDA GPU"
     torch.manual_seed(0)

@@ -149,10 +149,11 @@ HALF_CANDIDATES = ((128, 256, 4, 3, False, 2), (64, 256, 4, 3, False, 2),
 # bytes of a row (one scale and zero point for 32 weights, where HALF's threads take eight).
 # A BLOCK_K of one piece (inside a group), or of two, loads each iteration's codes an
 # iteration ahead (_words_sum; two pieces since the seventeenth session, not measured yet:
-# twice the bytes in flight a thread at the same 64 registers). Measured on an H100 (perf/RESULTS.md, call 78): with fp16 inputs the split-K
-# forms of (64, 128, 4) beat the best HALF tile by 1.00-1.10x, with bf16 inputs 0.96-1.03x;
-# whole-K tiles never win (few programs), and BLOCK_N 128 at 4 warps ran 2-3x slower than
-# BLOCK_N 64 (95 registers; the carried tile went through shared memory): kept out.
+# twice the bytes in flight a thread at the same 64 registers). Measured on an H100
+# (perf/RESULTS.md, call 78): with fp16 inputs the split-K forms of (64, 128, 4) beat the best
+# HALF tile by 1.00-1.10x, with bf16 inputs 0.96-1.03x; whole-K tiles never win (few
+# programs), and BLOCK_N 128 at 4 warps ran 2-3x slower than BLOCK_N 64 (95 registers; the
+# carried tile went through shared memory): kept out.
 WORDS_CANDIDATES = ((64, 256, 4, 3, False, 3), (64, 128, 4, 3, False, 3),
                     (128, 128, 8, 3, False, 3))
 # the input times 2^-6 in fp16 (exact: a power of two), the scale times 2^6 to undo it: sixteen
@@ -355,9 +356,9 @@ def _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP: tl.c
     16-bit input row, BLOCK_K columns (one piece of SUB_K, or two) an iteration. The code
     words, scales and zero points are loaded an iteration ahead (carried in registers): the
     compiler otherwise issues a piece's loads just before its products, and a program's warps
-    then keep too few bytes in flight to cover the memory's latency (H100 calls 80-82: the
-    one-row tiles are held by that, not by their instructions). Two pieces an iteration keep
-    twice the bytes in flight a thread. The input (a few KB every program reads, from L2) is
+    then keep too few bytes in flight to cover the memory's latency (H100 calls 80-82 point
+    at that, not at their instructions). Two pieces an iteration keep twice the bytes in
+    flight a thread. The input (a few KB every program reads, from L2) is
     loaded in the iteration that uses it."""
     TWO: tl.constexpr = BLOCK_K == 2 * SUB_K
     q32 = q_rows.to(tl.pointer_type(tl.int32))
