@@ -10,8 +10,8 @@ out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
 # Next calls (after H100 calls 80-82, perf/RESULTS.md): "w1awqprof" (~6 min, a call of its
-# own: two engines need more than 250 s; W1 AWQ bf16 and fp16 under the profiler, the fp16
-# figure on an H200 the goal's), "w4words" (~2 min: the WORDS tiles that load two pieces
+# own: two engines took ~245 s in call 79, and more in calls 81-82 with the ROWS tiles to
+# tune; W1 AWQ bf16 and fp16 under the profiler, the fp16 figure on an H200 the goal's), "w4words" (~2 min: the WORDS tiles that load two pieces
 # ahead, against HALF), "w4runs" on an H200 (~1 min: the one-row tiles' read bound there),
 # "w4wide" (~2 min: the swap-AB pair tiles at 64-8,192 rows); on an H200, "dmon
 # w1pairs" (~5 min: W1 fp8 / int8 with the fp16-pair tiles at 64 registers), "dequant fp8mma"
@@ -132,7 +132,7 @@ for s in $stages; do
     # dequantize + cuBLAS and bf16 cuBLAS at llama-3.1-8b's four matmuls, ~40 s
     w4bench) run w4bench 240 python3 perf/kernels_bench.py --only w4 ;;
     # W1 AWQ in bf16 and fp16 (the WORDS tiles' dtype), each profiled over 32 decode steps
-    w1awqprof) run w1awqprof 300 python3 perf/w1_decode.py --quantization awq --suffix awq --ab fp16 --profile ;;
+    w1awqprof) run w1awqprof 420 python3 perf/w1_decode.py --quantization awq --suffix awq --ab fp16 --profile ;;
     # the swap-AB W4A16 GEMM tiles' GPU parity, then each at 64, 512 and 8,192 rows against
     # dequantize + cuBLAS and bf16 cuBLAS (W2 with AWQ, issue 23), ~2 min
     w4wide) run w4widetests 150 python3 -m pytest -q tests/test_quant_kernels.py -k swap_ab
