@@ -11,8 +11,9 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
 # Next calls (after H100 calls 80-82, perf/RESULTS.md): "w1awqprof" (~6 min, a call of its
 # own: two engines took ~245 s in call 79, and more in calls 81-82 with the ROWS tiles to
-# tune; W1 AWQ bf16 and fp16 under the profiler, the fp16 figure on an H200 the goal's), "w4words" (~2 min: the WORDS tiles that load two pieces
-# ahead, against HALF), "w4runs" on an H200 (~1 min: the one-row tiles' read bound there),
+# tune; W1 AWQ bf16 and fp16 under the profiler, the fp16 figure on an H200 the goal's),
+# "splitk w4words" (~3 min: the WORDS tiles that load two pieces ahead, their GPU parity and
+# their times against HALF), "w4runs" on an H200 (~1 min: the one-row tiles' read bound there),
 # "w4wide" (~2 min: the swap-AB pair tiles at 64-8,192 rows); on an H200, "dmon
 # w1pairs" (~5 min: W1 fp8 / int8 with the fp16-pair tiles at 64 registers), "dequant fp8mma"
 # (~4 min: the W8A8 fp8 tiles at 1-64 rows, W1 fp8 A/B) then "w2awq" (~5 min: AWQ 0.854x
@@ -133,6 +134,9 @@ for s in $stages; do
     w4bench) run w4bench 240 python3 perf/kernels_bench.py --only w4 ;;
     # W1 AWQ in bf16 and fp16 (the WORDS tiles' dtype), each profiled over 32 decode steps
     w1awqprof) run w1awqprof 420 python3 perf/w1_decode.py --quantization awq --suffix awq --ab fp16 --profile ;;
+    # every WORDS tile against the HALF tiles at one row, fp16 and bf16 inputs (after "splitk",
+    # their GPU parity), ~2 min
+    w4words) run w4words 240 python3 perf/kernels_bench.py --only w4words ;;
     # the swap-AB W4A16 GEMM tiles' GPU parity, then each at 64, 512 and 8,192 rows against
     # dequantize + cuBLAS and bf16 cuBLAS (W2 with AWQ, issue 23), ~2 min
     w4wide) run w4widetests 150 python3 -m pytest -q tests/test_quant_kernels.py -k swap_ab
@@ -161,11 +165,11 @@ for s in $stages; do
            --section Occupancy --section LaunchStats --section InstructionStats \
            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
            python3 perf/ncu_tiles.py ${NCU_TILES:-} ;;
-    # the 4-bit dequantization (dequantize + cuBLAS's first half) at the four shapes: the
-    # word-pair kernel at a few tiles against the converting one, ~30 s
     # the codes alone read in the one-row tiles' pattern, row-major against tile-contiguous:
     # the read bound of the 4-bit one-row tiles (H100 call 80: 2.5-2.7 TB/s, any run), ~1 min
     w4runs) run w4runs 200 python3 perf/kernels_bench.py --only w4runs ;;
+    # the 4-bit dequantization (dequantize + cuBLAS's first half) at the four shapes: the
+    # word-pair kernel at a few tiles against the converting one, ~30 s
     dequant) run dequant 90 python3 perf/kernels_bench.py --only dequant ;;
     w2awq) run w2awq 480 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
     # greedy output on AWQ / GPTQ (act order) checkpoints of the tiny models vs transformers on

@@ -358,8 +358,8 @@ def _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP: tl.c
     compiler otherwise issues a piece's loads just before its products, and a program's warps
     then keep too few bytes in flight to cover the memory's latency (H100 calls 80-82 point
     at that, not at their instructions). Two pieces an iteration keep twice the bytes in
-    flight a thread. The input (a few KB every program reads, from L2) is
-    loaded in the iteration that uses it."""
+    flight a thread. The input (a few KB every program reads, from L2) is loaded in the
+    iteration that uses it."""
     TWO: tl.constexpr = BLOCK_K == 2 * SUB_K
     q32 = q_rows.to(tl.pointer_type(tl.int32))
     ok = n_ok[:, None]
