@@ -165,6 +165,13 @@ for s in $stages; do
            --section Occupancy --section LaunchStats --section InstructionStats \
            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
            python3 perf/ncu_tiles.py ${NCU_TILES:-} ;;
+    # the same tiles' stalls per SASS instruction (PC sampling, --set full): the report, then
+    # its source page as CSV (ncusass.log), ~2 min
+    ncusrc) ncu_bin=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)}
+            run ncusrc 240 "$ncu_bin" --clock-control none --nvtx --nvtx-include "ncu/" \
+              --set full -f -o "$out/tiles" python3 perf/ncu_tiles.py ${NCU_TILES:-}
+            run ncusass 120 "$ncu_bin" -i "$out/tiles.ncu-rep" --page source --csv \
+              --print-source sass ;;
     # the codes alone read in the one-row tiles' pattern, row-major against tile-contiguous:
     # the read bound of the 4-bit one-row tiles (H100 call 80: 2.5-2.7 TB/s, any run), ~1 min
     w4runs) run w4runs 200 python3 perf/kernels_bench.py --only w4runs ;;
