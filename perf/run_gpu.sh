@@ -134,6 +134,9 @@ for s in $stages; do
     w4bench) run w4bench 240 python3 perf/kernels_bench.py --only w4 ;;
     # W1 AWQ in bf16 and fp16 (the WORDS tiles' dtype), each profiled over 32 decode steps
     w1awqprof) run w1awqprof 420 python3 perf/w1_decode.py --quantization awq --suffix awq --ab fp16 --profile ;;
+    # W1 AWQ in fp16 alone (one engine's tuning, ~4 min; the goal's figure on an H200)
+    w1awq16) run w1awq16 300 python3 perf/w1_decode.py --quantization awq --dtype float16 \
+               --suffix awq-fp16 ;;
     # every WORDS tile against the HALF tiles at one row, fp16 and bf16 inputs (after "splitk",
     # their GPU parity), ~2 min
     w4words) run w4words 240 python3 perf/kernels_bench.py --only w4words ;;

@@ -70,6 +70,9 @@ def main():
     ap.add_argument("--ab", default="", help=AB_HELP)
     ap.add_argument("--quantization", default=None, help="e.g. fp8: every engine's weights")
     ap.add_argument("--suffix", default="", help="result file suffix of every run")
+    ap.add_argument("--dtype", default=None,
+                    help="every engine's dtype (e.g. float16, as AWQ checkpoints run): one "
+                         "engine's tuning instead of --ab fp16's two")
     ap.add_argument("--compiled-baseline", action="store_true",
                     help="then, in this process, the gpt-fast-style torch.compile decoder of the "
                          "same model in bf16 (perf/w1_compiled_baseline.py)")
@@ -78,7 +81,9 @@ def main():
 
     def make_llm(**kw):
         return LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
-                   **engine_overrides(), **{"quantization": a.quantization, **kw},
+                   **engine_overrides(),
+                   **{"quantization": a.quantization, **({"dtype": a.dtype} if a.dtype else {}),
+                      **kw},
                    max_num_seqs=8, enforce_eager=a.enforce_eager)
     rows = []
 
