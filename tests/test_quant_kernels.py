@@ -262,7 +262,7 @@ for arg in sys.argv[1:]:
 def test_words_tiles_compile_for_hopper():
     """ptxas takes the WORDS tiles' PTX (the interpreter does not run it) in its three forms:
     one piece an iteration loaded an iteration ahead (BLOCK_K one piece), two pieces the same
-    way (group 128, BLOCK_K 256), and four (group 64); with
+    way (group 128, BLOCK_K 256), and four pieces loaded in their iteration (group 64); with
     fp16 and bf16 inputs, whole-K and split-K: lop3 opens the codes, fp16-pair FMAs multiply,
     and a thread keeps to at most 128 registers (four programs of 4 warps a SM)."""
     ahead = next(i for i, c in enumerate(gemv_w4.WORDS_CANDIDATES) if c[1] == 128)

@@ -54,8 +54,7 @@ KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
                      (128, 256, 4, 3, False, 2, 4), (64, 256, 4, 3, False, 2, 8),
                      (32, 512, 4, 4, False, 2, 4), (32, 512, 4, 4, False, 2, 2),
                      (64, 256, 4, 3, False, 3, 2), (64, 128, 4, 3, False, 3, 4),
-                     (64, 128, 4, 3, False, 3, 8), (64, 512, 4, 3, False, 3, 2),
-                     (64, 256, 4, 3, False, 3, 8),
+                     (64, 128, 4, 3, False, 3, 8), (64, 256, 4, 3, False, 3, 8),
                      (16, 1024, 4, 3, False, True, 2),
                      (32, 512, 4, 4, False, True, 4), (16, 512, 4, 4, False, True, 4))
 # wider steps: swap-AB GEMM tiles ("t", BLOCK_N, BLOCK_M, SUB_K, num_warps, num_stages, SPLIT),
@@ -148,9 +147,11 @@ HALF_CANDIDATES = ((128, 256, 4, 3, False, 2), (64, 256, 4, 3, False, 2),
 # into fp32 with the scale (_words_step). The input is paired once per thread and column
 # (_PAIRS_FROM_F16 / _BF16), shared by the thread's rows; each thread reads sixteen code
 # bytes of a row (one scale and zero point for 32 weights, where HALF's threads take eight).
-# Every iteration's codes (one piece inside a group, or 2 or 4 pieces) are loaded an
-# iteration ahead (_words_sum); in bf16 W1 on an H100 (call 83) the tuner took two pieces
-# (64, 256, 4, ×2) at gate|up, 30.1 µs against HALF's ~35 in calls 78-82. Measured on an H100
+# A BLOCK_K of one piece (inside a group), or of two, loads each iteration's codes an
+# iteration ahead (_words_sum; two pieces since the seventeenth session: in bf16 W1 on an
+# H100, call 83, the tuner took (64, 256, 4, ×2) at gate|up, 30.1 µs, where every tile ran
+# ~35 in calls 78-82 and 84; the same pieces as one [2, BLOCK_N, words] tile took 54
+# registers, not 64, and ran 39.6-45.6 µs in call 84: removed). Measured on an H100
 # (perf/RESULTS.md, call 78): with fp16 inputs the split-K forms of (64, 128, 4) beat the best
 # HALF tile by 1.00-1.10x, with bf16 inputs 0.96-1.03x; whole-K tiles never win (few
 # programs), and BLOCK_N 128 at 4 warps ran 2-3x slower than BLOCK_N 64 (95 registers; the
@@ -303,24 +304,21 @@ cvt.rn.f16x2.f32 ${2 * i + 1}, hi, lo;
 
 
 @triton.jit
-def _words_step(acc, w, x_ptr, k0, z, s, SUB_K: tl.constexpr, PIECES: tl.constexpr,
-                BF16: tl.constexpr):
-    """acc [PIECES, BLOCK_N, SUB_K / 8] fp32 plus, per code word w (int32, the same shape:
-    eight 4-bit codes of a row, column i in nibble i) of the pieces at input columns k0..
-    (each inside one group), s * sum(x (q - z)) / 128 (z, s [PIECES, BLOCK_N, 1] fp32: the
-    rows' zero points and scales per piece), x the one 16-bit input row: in PTX, four words of
-    a row a call (_WORDS_ASM), into the first word's accumulator. The CPU interpreter cannot
-    run PTX: it adds each word's eight products in fp32 to its own accumulator (the same sum
-    once the caller reduces)."""
-    wcol = (tl.arange(0, PIECES)[:, None] * (SUB_K // 8)
-            + tl.arange(0, SUB_K // 8)[None, :])[:, None, :]
+def _words_step(acc, w, x_ptr, kk, z, s, SUB_K: tl.constexpr, BF16: tl.constexpr):
+    """acc [BLOCK_N, SUB_K / 8] fp32 plus, per code word w (int32 [BLOCK_N, SUB_K / 8], eight
+    4-bit codes of a row, column i in nibble i) of the piece at input columns kk.. (inside one
+    group), s * sum(x (q - z)) / 128 (z, s [BLOCK_N, 1] fp32: the rows' zero points and
+    scales), x the one 16-bit input row: in PTX, four words of a row a call (_WORDS_ASM), into
+    the first word's accumulator. The CPU interpreter cannot run PTX: it adds each word's
+    eight products in fp32 to its own accumulator (the same sum once the caller reduces)."""
+    wcol = tl.arange(0, SUB_K // 8)[None, :]
     if INTERPRET:
         out = acc
         for i in tl.static_range(8):
-            xi = tl.load(x_ptr + k0 + 8 * wcol + i).to(tl.float32)
+            xi = tl.load(x_ptr + kk + 8 * wcol + i).to(tl.float32)
             out += s * xi * (((w >> (4 * i)) & 0xF).to(tl.float32) - z) * (1.0 / WORDS_UP)
     else:
-        xw = x_ptr.to(tl.pointer_type(tl.int64)) + 2 * (tl.multiple_of(k0 >> 3, SUB_K // 8)
+        xw = x_ptr.to(tl.pointer_type(tl.int64)) + 2 * (tl.multiple_of(kk >> 3, SUB_K // 8)
                                                         + wcol)
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
             _PAIRS_FROM_BF16 if BF16 else _PAIRS_FROM_F16, "=r,=r,=r,=r,l,l",
@@ -332,22 +330,23 @@ def _words_step(acc, w, x_ptr, k0, z, s, SUB_K: tl.constexpr, PIECES: tl.constex
 
 
 @triton.jit
-def _words_load(q32_rows, s_ptr, z_ptr, n, n_ok, N, k0, k_end, GROUP: tl.constexpr,
-                SUB_K: tl.constexpr, PIECES: tl.constexpr):
-    """WORDS: one iteration's code words at input columns k0.. ([PIECES, BLOCK_N, SUB_K / 8]
-    int32, pieces of SUB_K columns inside one group each; none from k_end on) and the rows'
-    scales and zero points per piece ([PIECES, BLOCK_N, 1] fp32). k0 >= 0: shifts and an
-    unsigned division, not signed ones' fix-ups. Pieces first: compiled for sm_90 the two-piece
-    tile takes 54 registers a thread this way, 72 with the rows first."""
-    piece = tl.arange(0, PIECES)[:, None, None]
-    wcol = tl.arange(0, SUB_K // 8)[None, None, :]
-    kp = k0 + piece * SUB_K
-    ok = n_ok[None, :, None] & (kp < k_end)     # a whole piece, or none of it
-    w = tl.load(q32_rows[None, :, :] + tl.multiple_of(k0 >> 3, SUB_K // 8)
-                + piece * (SUB_K // 8) + wcol, mask=ok, other=0, eviction_policy="evict_first")
-    g = (kp.to(tl.uint32) // GROUP).to(tl.int32)
-    s = tl.load(s_ptr + g * N + n[None, :, None], mask=ok, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + g * N + n[None, :, None], mask=ok, other=0).to(tl.float32)
+def _words_load(q32_rows, s_ptr, z_ptr, n, ok, N, k0, k_end, GROUP: tl.constexpr,
+                SUB_K: tl.constexpr, AHEAD: tl.constexpr):
+    """WORDS: one iteration's code words at input columns k0.. ([BLOCK_N, SUB_K / 8] int32, a
+    piece inside one group; with AHEAD none from k_end on) and the rows' scales and zero
+    points ([BLOCK_N, 1] fp32). k0 >= 0: shifts and an unsigned division, not signed ones'
+    fix-ups."""
+    wcol = tl.arange(0, SUB_K // 8)[None, :]
+    k0_rows = tl.zeros_like(n)[:, None] + k0
+    wok, gok = ok, ok
+    if AHEAD:       # the whole tile, or none of it
+        wok = ok & ((tl.zeros_like(wcol) + k0) < k_end)
+        gok = ok & (k0_rows < k_end)
+    w = tl.load(q32_rows + tl.multiple_of(k0 >> 3, SUB_K // 8) + wcol, mask=wok, other=0,
+                eviction_policy="evict_first")
+    g = (k0_rows.to(tl.uint32) // GROUP).to(tl.int32)
+    s = tl.load(s_ptr + g * N + n[:, None], mask=gok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * N + n[:, None], mask=gok, other=0).to(tl.float32)
     return w, s, z
 
 
@@ -356,23 +355,34 @@ def _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP: tl.c
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                BF16: tl.constexpr):
     """WORDS: the [BLOCK_N] fp32 sums x . W over input columns k_lo .. k_lo + k_len of one
-    16-bit input row, BLOCK_K columns (PIECES of SUB_K, a power of two) an iteration. The code
+    16-bit input row, BLOCK_K columns (one piece of SUB_K, or two) an iteration. The code
     words, scales and zero points are loaded an iteration ahead (carried in registers): the
     compiler otherwise issues a piece's loads just before its products, and a program's warps
     then keep too few bytes in flight to cover the memory's latency (H100 calls 80-82 point
-    at that, not at their instructions; two pieces an iteration won gate|up in call 83). The
-    input (a few KB every program reads, from L2) is loaded in the iteration that uses it."""
-    PIECES: tl.constexpr = BLOCK_K // SUB_K
+    at that, not at their instructions). Two pieces an iteration keep twice the bytes in
+    flight a thread. The input (a few KB every program reads, from L2) is loaded in the
+    iteration that uses it."""
+    TWO: tl.constexpr = BLOCK_K == 2 * SUB_K
     q32 = q_rows.to(tl.pointer_type(tl.int32))
+    ok = n_ok[:, None]
     k_end = k_lo + k_len
-    acc = tl.zeros([PIECES, BLOCK_N, SUB_K // 8], dtype=tl.float32)
-    w, s, z = _words_load(q32, s_ptr, z_ptr, n, n_ok, N, k_lo, k_end, GROUP, SUB_K, PIECES)
+    acc = tl.zeros([BLOCK_N, SUB_K // 8], dtype=tl.float32)
+    w, s, z = _words_load(q32, s_ptr, z_ptr, n, ok, N, k_lo, k_end, GROUP, SUB_K, True)
+    if TWO:
+        v, t, y = _words_load(q32, s_ptr, z_ptr, n, ok, N, k_lo + SUB_K, k_end, GROUP, SUB_K,
+                              True)
     for k0 in range(k_lo, k_end, BLOCK_K):
-        w1, s1, z1 = _words_load(q32, s_ptr, z_ptr, n, n_ok, N, k0 + BLOCK_K, k_end, GROUP,
-                                 SUB_K, PIECES)
-        acc = _words_step(acc, w, x_ptr, k0, z, s, SUB_K, PIECES, BF16)
+        w1, s1, z1 = _words_load(q32, s_ptr, z_ptr, n, ok, N, k0 + BLOCK_K, k_end, GROUP,
+                                 SUB_K, True)
+        if TWO:
+            v1, t1, y1 = _words_load(q32, s_ptr, z_ptr, n, ok, N, k0 + BLOCK_K + SUB_K,
+                                     k_end, GROUP, SUB_K, True)
+        acc = _words_step(acc, w, x_ptr, k0, z, s, SUB_K, BF16)
         w, s, z = w1, s1, z1
-    return tl.sum(tl.sum(acc, axis=2), axis=0) * WORDS_UP
+        if TWO:
+            acc = _words_step(acc, v, x_ptr, k0 + SUB_K, y, t, SUB_K, BF16)
+            v, t, y = v1, t1, y1
+    return tl.sum(acc, axis=1) * WORDS_UP
 
 
 @triton.jit
@@ -431,7 +441,8 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
     if USE_DOT:
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     elif BLOCK_M == 1:
-        acc1 = tl.zeros([BLOCK_N, SUB_K // (1 + (SPLIT > 0))], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, SUB_K // (8 if SPLIT == 3 else 1 + (SPLIT > 0))],
+                        dtype=tl.float32)
     else:
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, SUB_K // (1 + (SPLIT > 0))], dtype=tl.float32)
     # BLOCK_K columns per iteration in pieces of SUB_K, each inside one group: several groups'
@@ -444,14 +455,20 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
     else:
         k_lo = 0
-    if SPLIT == 3:     # WORDS: one row, no prologue (WORDS_CANDIDATES), loads ahead
+    if SPLIT == 3 and BLOCK_K <= 2 * SUB_K:    # WORDS, one or two pieces: loads ahead
         yw = _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP,
                         BLOCK_N, BLOCK_K, SUB_K, x_ptr.dtype.element_ty == tl.bfloat16)
     else:
         for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
             for i in tl.static_range(BLOCK_K // SUB_K):
                 kk = tl.multiple_of(k0 + i * SUB_K, SUB_K)
-                if SPLIT == 2:     # HALF: one row, no prologue (HALF_CANDIDATES)
+                if SPLIT == 3:     # WORDS: one row, no prologue (WORDS_CANDIDATES)
+                    w, s, z = _words_load(q_rows.to(tl.pointer_type(tl.int32)), s_ptr, z_ptr,
+                                          n, n_ok[:, None], N, kk, K, GROUP, SUB_K,
+                                          False)
+                    acc1 = _words_step(acc1, w, x_ptr, kk, z, s, SUB_K,
+                                       x_ptr.dtype.element_ty == tl.bfloat16)
+                elif SPLIT == 2:     # HALF: one row, no prologue (HALF_CANDIDATES)
                     b, s, z = _codes_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, SUB_K)
                     xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
                     xe, xo = (xc.to(tl.float32) * HALF_DOWN).reshape(BLOCK_M, SUB_K // 2, 2).split()
@@ -500,8 +517,10 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                         acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
     if USE_DOT:
         y = acc2
-    elif SPLIT == 3:
+    elif SPLIT == 3 and BLOCK_K <= 2 * SUB_K:
         y = yw[None, :]
+    elif SPLIT == 3:
+        y = tl.sum(acc1, axis=1)[None, :] * WORDS_UP
     elif BLOCK_M == 1:
         y = tl.sum(acc1, axis=1)[None, :]
     else:
@@ -777,8 +796,6 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     if prologue in (NORM, ADD_NORM):
         assert norm_weight is not None and norm_weight.shape == (k,)
     sub_k, block_k = _tile_k(block_k, pw.group_size, k // ksplit)
-    while split == 3 and ((block_k // sub_k) & (block_k // sub_k - 1) or (k // ksplit) % block_k):
-        block_k -= sub_k        # WORDS: a power of two of pieces, dividing the split
     pf = prefetch_programs(pw.qweight, block_n * pw.qweight.shape[1], prologue == PLAIN) \
         if n % block_n == 0 else 0
     tiles = triton.cdiv(n, block_n)
