@@ -148,11 +148,12 @@ HALF_CANDIDATES = ((128, 256, 4, 3, False, 2), (64, 256, 4, 3, False, 2),
 # into fp32 with the scale (_words_step). The input is paired once per thread and column
 # (_PAIRS_FROM_F16 / _BF16), shared by the thread's rows; each thread reads sixteen code
 # bytes of a row (one scale and zero point for 32 weights, where HALF's threads take eight).
-# A BLOCK_K of one piece (inside a group), or of two, loads each iteration's codes an
-# iteration ahead (_words_sum; two pieces since the seventeenth session: in bf16 W1 on an
-# H100, call 83, the tuner took (64, 256, 4, ×2) at gate|up, 30.1 µs, where every tile ran
-# ~35 in calls 78-82 and 84; the same pieces as one [2, BLOCK_N, words] tile took 54
-# registers, not 64, and ran 39.6-45.6 µs in call 84: removed). Measured on an H100
+# A BLOCK_K of one, two or four pieces (each inside a group) loads each iteration's codes
+# an iteration ahead (_words_sum; other counts load them in their iteration). Two pieces:
+# in bf16 W1 on an H100 (call 83) the tuner took (64, 256, 4, ×2) at gate|up, 30.1 µs,
+# where every tile ran ~35 in calls 78-82 and 84; the same pieces as one [2, BLOCK_N,
+# words] tile took 54 registers, not 64, and ran 39.6-45.6 µs (call 84: removed). Four
+# pieces (f58d541): not measured yet. Measured on an H100
 # (perf/RESULTS.md, call 78): with fp16 inputs the split-K forms of (64, 128, 4) beat the best
 # HALF tile by 1.00-1.10x, with bf16 inputs 0.96-1.03x; whole-K tiles never win (few
 # programs), and BLOCK_N 128 at 4 warps ran 2-3x slower than BLOCK_N 64 (95 registers; the
