@@ -9,11 +9,10 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (after H100 calls 83-84, perf/RESULTS.md): "splitk w4pieces" (~2 min: the WORDS
-# tiles of four pieces loaded ahead, f58d541, their GPU parity and their times against two
-# pieces, one piece and HALF), "w1awq16" on an H200 (~4 min: W1 AWQ in fp16, the goal's
-# figure), "w4runs" on an H200 (~1 min: the one-row tiles' read bound there), "ncusrc" with
-# NCU_TILES naming the one- and two-piece WORDS tiles (why two pieces run faster), "w4wide"
+# Next calls (after H100 calls 83-85, perf/RESULTS.md): "w1awq16" (~4 min: W1 AWQ in fp16
+# with the two-piece WORDS tiles the tuner can now take at gate|up and down; on an H200 the
+# goal's figure), "w4runs" on an H200 (~1 min: the one-row tiles' read bound there), "ncusrc"
+# with NCU_TILES naming the one- and two-piece WORDS tiles (why two pieces run faster), "w4wide"
 # (~2 min: the swap-AB pair tiles at 64-8,192 rows); on an H200, "dmon w1pairs" (~5 min: W1
 # fp8 / int8 with the fp16-pair tiles at 64 registers), "dequant fp8mma" (~4 min: the W8A8
 # fp8 tiles at 1-64 rows, W1 fp8 A/B) then "w2awq" (~5 min: AWQ 0.854x bf16 on an H100),
@@ -135,14 +134,6 @@ for s in $stages; do
     # W1 AWQ in fp16 alone (one engine's tuning, ~4 min; the goal's figure on an H200)
     w1awq16) run w1awq16 300 python3 perf/w1_decode.py --quantization awq --dtype float16 \
                --suffix awq-fp16 ;;
-    # the WORDS tiles of one, two and four pieces an iteration against HALF at gate|up and
-    # down, fp16 and bf16 inputs, timed as the tuner times them (no check: "splitk" is theirs)
-    w4pieces) t=(); for k in awq16 awq; do
-                for c in "gate_up:(64,256,4,3,False,2,2)" "gate_up:(64,128,4,3,False,3,4)" \
-                         "gate_up:(64,256,4,3,False,3,2)" "gate_up:(64,512,4,3,False,3,2)" \
-                         "down:(64,256,4,3,False,2,8)" "down:(64,128,4,3,False,3,8)" \
-                         "down:(64,256,4,3,False,3,8)"; do t+=(--tile "$k:$c"); done; done
-              run w4pieces 150 python3 perf/ncu_tiles.py "${t[@]}" ;;
     # every WORDS tile against the HALF tiles at one row, fp16 and bf16 inputs (after "splitk",
     # their GPU parity), ~2 min
     w4words) run w4words 240 python3 perf/kernels_bench.py --only w4words ;;

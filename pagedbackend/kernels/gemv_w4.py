@@ -55,7 +55,6 @@ KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
                      (32, 512, 4, 4, False, 2, 4), (32, 512, 4, 4, False, 2, 2),
                      (64, 256, 4, 3, False, 3, 2), (64, 128, 4, 3, False, 3, 4),
                      (64, 128, 4, 3, False, 3, 8), (64, 256, 4, 3, False, 3, 8),
-                     (64, 512, 4, 3, False, 3, 2),
                      (16, 1024, 4, 3, False, True, 2),
                      (32, 512, 4, 4, False, True, 4), (16, 512, 4, 4, False, True, 4))
 # wider steps: swap-AB GEMM tiles ("t", BLOCK_N, BLOCK_M, SUB_K, num_warps, num_stages, SPLIT),
@@ -148,12 +147,12 @@ HALF_CANDIDATES = ((128, 256, 4, 3, False, 2), (64, 256, 4, 3, False, 2),
 # into fp32 with the scale (_words_step). The input is paired once per thread and column
 # (_PAIRS_FROM_F16 / _BF16), shared by the thread's rows; each thread reads sixteen code
 # bytes of a row (one scale and zero point for 32 weights, where HALF's threads take eight).
-# A BLOCK_K of one, two or four pieces (each inside a group) loads each iteration's codes
-# an iteration ahead (_words_sum; other counts load them in their iteration). Two pieces:
-# in bf16 W1 on an H100 (call 83) the tuner took (64, 256, 4, ×2) at gate|up, 30.1 µs,
-# where every tile ran ~35 in calls 78-82 and 84; the same pieces as one [2, BLOCK_N,
-# words] tile took 54 registers, not 64, and ran 39.6-45.6 µs (call 84: removed). Four
-# pieces (f58d541): not measured yet. Measured on an H100
+# A BLOCK_K of one piece (inside a group), or of two, loads each iteration's codes an
+# iteration ahead (_words_sum). Two pieces (64, 256, 4) beat every other tile on an H100
+# (call 85): at gate|up ×2 31.0-31.3 µs against HALF's 34.5-35.1 and one piece's 34.9-35.3,
+# at down ×8 19.2-19.5 against 19.7-21.9. Four pieces loaded ahead (96 registers) ran
+# 35.4-36.4 µs at gate|up, and the pieces as one [2, BLOCK_N, words] tile (54 registers)
+# 39.6-45.6 (call 84): both removed. Measured on an H100
 # (perf/RESULTS.md, call 78): with fp16 inputs the split-K forms of (64, 128, 4) beat the best
 # HALF tile by 1.00-1.10x, with bf16 inputs 0.96-1.03x; whole-K tiles never win (few
 # programs), and BLOCK_N 128 at 4 warps ran 2-3x slower than BLOCK_N 64 (95 registers; the
@@ -357,50 +356,33 @@ def _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP: tl.c
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                BF16: tl.constexpr):
     """WORDS: the [BLOCK_N] fp32 sums x . W over input columns k_lo .. k_lo + k_len of one
-    16-bit input row, BLOCK_K columns (one, two or four pieces of SUB_K) an iteration. The
-    code words, scales and zero points are loaded an iteration ahead (carried in registers):
-    the compiler otherwise issues a piece's loads just before its products, and a program's
-    warps then keep too few bytes in flight to cover the memory's latency (H100 calls 80-82
-    point at that, not at their instructions). More pieces keep more bytes in flight a
-    thread: two ran gate|up in 30.1 µs where one took ~35 (H100 call 83; 64 registers); four
-    take 96 registers (not measured yet). Each piece is its own 2-D tile: one tile of all the
-    pieces ran slower at two and wrong at four (call 84). The input (a few KB every program
-    reads, from L2) is loaded in the iteration that uses it."""
-    PIECES: tl.constexpr = BLOCK_K // SUB_K     # 1, 2 or 4
+    16-bit input row, BLOCK_K columns (one piece of SUB_K, or two) an iteration. The code
+    words, scales and zero points are loaded an iteration ahead (carried in registers): the
+    compiler otherwise issues a piece's loads just before its products, and a program's warps
+    then keep too few bytes in flight to cover the memory's latency (H100 calls 80-82 point
+    at that, not at their instructions). Two pieces an iteration keep twice the bytes in
+    flight a thread, and ran 1.10-1.12x HALF (call 85); four, at 96 registers, did not. The
+    input (a few KB every program reads, from L2) is loaded in the iteration that uses it."""
+    TWO: tl.constexpr = BLOCK_K == 2 * SUB_K
     q32 = q_rows.to(tl.pointer_type(tl.int32))
     ok = n_ok[:, None]
     k_end = k_lo + k_len
     acc = tl.zeros([BLOCK_N, SUB_K // 8], dtype=tl.float32)
     w, s, z = _words_load(q32, s_ptr, z_ptr, n, ok, N, k_lo, k_end, GROUP, SUB_K, True)
-    if PIECES >= 2:
+    if TWO:
         v, t, y = _words_load(q32, s_ptr, z_ptr, n, ok, N, k_lo + SUB_K, k_end, GROUP, SUB_K,
                               True)
-    if PIECES == 4:
-        w2, s2, z2 = _words_load(q32, s_ptr, z_ptr, n, ok, N, k_lo + 2 * SUB_K, k_end, GROUP,
-                                 SUB_K, True)
-        v2, t2, y2 = _words_load(q32, s_ptr, z_ptr, n, ok, N, k_lo + 3 * SUB_K, k_end, GROUP,
-                                 SUB_K, True)
     for k0 in range(k_lo, k_end, BLOCK_K):
-        k1 = k0 + BLOCK_K
-        w1, s1, z1 = _words_load(q32, s_ptr, z_ptr, n, ok, N, k1, k_end, GROUP, SUB_K, True)
-        if PIECES >= 2:
-            v1, t1, y1 = _words_load(q32, s_ptr, z_ptr, n, ok, N, k1 + SUB_K, k_end, GROUP,
-                                     SUB_K, True)
-        if PIECES == 4:
-            w3, s3, z3 = _words_load(q32, s_ptr, z_ptr, n, ok, N, k1 + 2 * SUB_K, k_end,
-                                     GROUP, SUB_K, True)
-            v3, t3, y3 = _words_load(q32, s_ptr, z_ptr, n, ok, N, k1 + 3 * SUB_K, k_end,
-                                     GROUP, SUB_K, True)
+        w1, s1, z1 = _words_load(q32, s_ptr, z_ptr, n, ok, N, k0 + BLOCK_K, k_end, GROUP,
+                                 SUB_K, True)
+        if TWO:
+            v1, t1, y1 = _words_load(q32, s_ptr, z_ptr, n, ok, N, k0 + BLOCK_K + SUB_K,
+                                     k_end, GROUP, SUB_K, True)
         acc = _words_step(acc, w, x_ptr, k0, z, s, SUB_K, BF16)
         w, s, z = w1, s1, z1
-        if PIECES >= 2:
+        if TWO:
             acc = _words_step(acc, v, x_ptr, k0 + SUB_K, y, t, SUB_K, BF16)
             v, t, y = v1, t1, y1
-        if PIECES == 4:
-            acc = _words_step(acc, w2, x_ptr, k0 + 2 * SUB_K, z2, s2, SUB_K, BF16)
-            acc = _words_step(acc, v2, x_ptr, k0 + 3 * SUB_K, y2, t2, SUB_K, BF16)
-            w2, s2, z2 = w3, s3, z3
-            v2, t2, y2 = v3, t3, y3
     return tl.sum(acc, axis=1) * WORDS_UP
 
 
@@ -474,10 +456,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
     else:
         k_lo = 0
-    # WORDS with 1, 2 or 4 pieces an iteration: loads ahead
-    WORDS_AHEAD: tl.constexpr = SPLIT == 3 and (BLOCK_K == SUB_K or BLOCK_K == 2 * SUB_K
-                                                or BLOCK_K == 4 * SUB_K)
-    if WORDS_AHEAD:
+    if SPLIT == 3 and BLOCK_K <= 2 * SUB_K:    # WORDS, one or two pieces: loads ahead
         yw = _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP,
                         BLOCK_N, BLOCK_K, SUB_K, x_ptr.dtype.element_ty == tl.bfloat16)
     else:
@@ -539,7 +518,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                         acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
     if USE_DOT:
         y = acc2
-    elif WORDS_AHEAD:
+    elif SPLIT == 3 and BLOCK_K <= 2 * SUB_K:
         y = yw[None, :]
     elif SPLIT == 3:
         y = tl.sum(acc1, axis=1)[None, :] * WORDS_UP
