@@ -12,6 +12,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+# The matmul tuners' disk cache (kernels/tuning_cache.py) stays out of the suite and of the
+# servers it starts: GPU runs tune afresh, and nothing is written under ~/.cache. Its own tests
+# point it at a temporary folder.
+os.environ["PAGEDBACKEND_TUNING_CACHE"] = "off"
+
 # One tritonserver for the whole session, shared by every module that asks for `triton`.
 from triton_fixtures import triton  # noqa: E402,F401
 

@@ -136,7 +136,9 @@ def maybe_fp8_mma_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor,
     if key not in _CHOICE:
         if torch.cuda.is_current_stream_capturing():
             return None
-        _CHOICE[key] = _tune(xq, sx, wq, w_scale, bias, dtype)
+        from pagedbackend.kernels import tuning_cache
+        _CHOICE[key] = tuning_cache.remembered(
+            "fp8mma", key, (CANDIDATES,), lambda: _tune(xq, sx, wq, w_scale, bias, dtype))
     cfg = _CHOICE[key]
     return None if cfg is None else fp8_mma_gemm(xq, sx, wq, w_scale, bias, dtype, cfg)
 

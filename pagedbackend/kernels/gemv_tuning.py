@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from pagedbackend.kernels import fp8_mma
+from pagedbackend.kernels import fp8_mma, tuning_cache
 from pagedbackend.kernels.gemv import (ADD_NORM, CANDIDATES, DOT_CANDIDATES, FP8_CANDIDATES,
                                        FP8_HALF_CANDIDATES, FP8_WIDEN_CANDIDATES,
                                        INT8_HALF_CANDIDATES, MAX_ROWS, NORM, PLAIN, SILU_MUL,
                                        byte_half_fits, rows_bucket, skinny_linear, tile_block_k)
+from pagedbackend.layers import fp8_inputs
 from pagedbackend.layers.fp8_inputs import fp8_norm_linear, fp8_silu_linear, fused_quant_active
 from pagedbackend.layers.quantization import dequantize, scaled_linear
 
@@ -225,8 +226,15 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if key not in _CHOICE:
         if torch.cuda.is_current_stream_capturing():
             return None
-        _CHOICE[key] = _tune(x, weight, bias, kind, scale)
+        _CHOICE[key] = tuning_cache.remembered(
+            "skinny", key, _candidate_sets(), lambda: _tune(x, weight, bias, kind, scale))
     return _CHOICE[key]
+
+
+def _candidate_sets() -> tuple:
+    """What a choice was made among, as it is now (perf/common.py's A/B swaps some)."""
+    return (CANDIDATES, FP8_CANDIDATES, DOT_CANDIDATES, FP8_WIDEN_CANDIDATES,
+            FP8_HALF_CANDIDATES, INT8_HALF_CANDIDATES, MARGIN, fp8_inputs.FUSED_QUANT)
 
 
 def maybe_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from pagedbackend.kernels import tuning_cache
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL
 from pagedbackend.kernels.gemv_w4 import (CANDIDATES, DOT_CANDIDATES, HALF_CANDIDATES,
                                           KSPLIT_CANDIDATES, MAX_ROWS, SPLIT_CANDIDATES,
@@ -98,10 +99,16 @@ def _config(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
                 return None
             return CANDIDATES[0] if x.shape[0] <= MAX_ROWS else None
         plain = _key(x, pw, PLAIN)
+        sets = (CANDIDATES, DOT_CANDIDATES, SPLIT_CANDIDATES, HALF_CANDIDATES,
+                WORDS_CANDIDATES, KSPLIT_CANDIDATES, SWAP_CANDIDATES, FUSED_TRIES)
         if plain not in _CHOICE:
-            _CHOICE[plain] = _tune(x, pw, bias, PLAIN)
+            def tune_plain():
+                return _tune(x, pw, bias, PLAIN), _RANKED.get(plain, [])
+            _CHOICE[plain], _RANKED[plain] = tuning_cache.remembered("w4", plain, sets,
+                                                                     tune_plain)
         if prologue != PLAIN:
-            _CHOICE[key] = _tune(x, pw, bias, prologue)
+            _CHOICE[key] = tuning_cache.remembered("w4", key, sets,
+                                                   lambda: _tune(x, pw, bias, prologue))
     return _CHOICE[key]
 
 
