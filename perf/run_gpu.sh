@@ -34,6 +34,10 @@ in_snapshot() {  # name seconds command...: run in .snapshot/ (perf/snapshot.sh,
   (cd .snapshot && PAGEDBACKEND_COMMIT=$(cat COMMIT) run "$@")
 }
 base_py=$(PATH=${PATH#/tmp/tsenv/bin:} command -v python3)
+# the tuners' choices (kernels/tuning_cache.py) in the checkout: carry .tuning-cache from an
+# earlier call's logs (tuning-cache/ in logs.tgz) and its engines skip the tuning where the
+# GPU, versions and kernel sources are the same
+export PAGEDBACKEND_TUNING_CACHE=${PAGEDBACKEND_TUNING_CACHE:-$PWD/.tuning-cache}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 for s in $stages; do
   case $s in
@@ -257,6 +261,7 @@ for s in $stages; do
   esac
 done
 jobs -p | xargs -r kill      # the dmon stage's logger
+[ -d "$PAGEDBACKEND_TUNING_CACHE" ] && cp -r "$PAGEDBACKEND_TUNING_CACHE" "$out/tuning-cache"
 # At most 8 files come back from a device call: everything (the result JSONs too) travels in
 # one archive; the JSONs also travel alone when there are at most 7 of them.
 (cd "$out" && items=$(ls -A | grep -vx logs.tgz) && [ -n "$items" ] && tar czf logs.tgz $items \

@@ -116,7 +116,9 @@ def remembered(table: str, key: tuple, candidates, tune: Callable[[], object]):
     stored = _entries(path).get(_entry_key(table, key, candidates))
     if stored is not None:
         try:
-            return ast.literal_eval(stored)
+            value = ast.literal_eval(stored)
+            logger.info("%s %r: %r from the tuning cache %s", table, key, value, path.name)
+            return value
         except (ValueError, SyntaxError):
             logger.warning("tuning cache %s: entry for %s %r unreadable, tuned again",
                            path, table, key)
