@@ -9,9 +9,11 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (after H100 calls 83-85, perf/RESULTS.md): "w1awq16" (~4 min: W1 AWQ in fp16
-# with the two-piece WORDS tiles the tuner can now take at gate|up and down; on an H200 the
-# goal's figure), "w4runs" on an H200 (~1 min: the one-row tiles' read bound there), "ncusrc"
+# Next calls (after H100 calls 83-85, perf/RESULTS.md): "splitk w4words" (~3 min: the
+# PIPE_CANDIDATES tiles, loads pipelined by the compiler through shared memory, their GPU
+# parity and times against every WORDS / HALF tile; on triton 3.6 they may not compile, and
+# then the tuner skips them), "w1awq16" (~4 min: W1 AWQ in fp16 with the two-piece WORDS
+# tiles the tuner can now take at gate|up and down; on an H200 the goal's figure), "w4runs" on an H200 (~1 min: the one-row tiles' read bound there), "ncusrc"
 # with NCU_TILES naming the one- and two-piece WORDS tiles (why two pieces run faster), "w4wide"
 # (~2 min: the swap-AB pair tiles at 64-8,192 rows); on an H200, "dmon w1pairs" (~5 min: W1
 # fp8 / int8 with the fp16-pair tiles at 64 registers), "dequant fp8mma" (~4 min: the W8A8

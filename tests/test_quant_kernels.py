@@ -157,9 +157,10 @@ def test_half_tiles_are_one_16_bit_row_with_8_bytes_a_thread():
 @pytest.mark.parametrize("cfg", [(64, 256, 4, 3, False, 2, 4), (16, 128, 2, 3, False, 2, 2),
                                  (128, 256, 4, 3, False, 3, 4), (32, 128, 2, 3, False, 3, 2),
                                  (16, 1024, 4, 3, False, True, 2), (8, 128, 2, 3, False, True, 4),
-                                 (16, 64, 2, 4, False, 0, 2)],
+                                 (16, 64, 2, 4, False, 0, 2), (32, 128, 2, 4, False, 3, 2, True),
+                                 (16, 128, 2, 3, False, 2, 2, True)],
                          ids=["half4", "half2_loop", "words4", "words2_loop", "split2",
-                              "split4_loop", "byte2"])
+                              "split4_loop", "byte2", "words2_pipe", "half2_pipe"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_split_k_tiles_match_dequantize_then_matmul(cfg, dtype):
     """K split over programs whose last adds the fp32 sums: one row, with and without a bias,
@@ -235,26 +236,29 @@ def test_swap_pair_tiles_compile_for_hopper_to_wgmma():
         assert mma > 0 and lop3 > 0 and (bf16 > 0) == ("bf16" in arg), got
 
 
-# compiled for sm_90 by compiled_for_hopper; prints each one-row WORDS tile's registers and
-# its SASS counts of lop3 and fp16-pair FMAs
+# compiled for sm_90 by compiled_for_hopper; prints each one-row WORDS / HALF tile's registers
+# and its SASS counts of lop3, fp16-pair FMAs and cp.async (LDGSTS); a tile is an index into
+# WORDS_CANDIDATES + PIPE_CANDIDATES
 HOPPER_WORDS = """
 import re
 import sys
 from pagedbackend.kernels import gemv_w4
 for arg in sys.argv[1:]:
     i, dt, ksplit, group = (arg + ":128").split(":")[:4]
-    block_n, block_k, warps, stages, _, split = gemv_w4.WORDS_CANDIDATES[int(i)]
+    cfg = (gemv_w4.WORDS_CANDIDATES + gemv_w4.PIPE_CANDIDATES)[int(i)]
+    block_n, block_k, warps, stages, _, split = cfg[:6]
     sub_k, block_k = gemv_w4._tile_k(block_k, int(group), 4096 // int(ksplit))
     const = dict(GROUP=int(group), BITS=4, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
                  HAS_BIAS=False, SPLIT=split, KSPLIT=int(ksplit), USE_DOT=False,
-                 PRECISION="tf32", PROLOGUE=0, USE_PDL=True, PREFETCH=True)
+                 PRECISION="tf32", PROLOGUE=0, USE_PDL=True, PREFETCH=True,
+                 PIPE=stages if len(cfg) > 7 and cfg[7] else 1)
     ptrs = {n: "*" + dt for n in ("x_ptr", "b_ptr", "y_ptr", "r_ptr", "r_out_ptr", "g_ptr")}
     ptrs.update(q_ptr="*u8", s_ptr="*fp16", z_ptr="*u8", ws_ptr="*fp32", cnt_ptr="*i32")
     usage = sm90_tool(gemv_w4._packed_gemv_kernel, const, ptrs, warps, stages, "cuobjdump",
                       "--dump-resource-usage")
     sass = sm90_tool(gemv_w4._packed_gemv_kernel, const, ptrs, warps, stages, "nvdisasm", "-c")
     print(arg, re.search(r"REG:(\\d+)", usage).group(1), sass.count("LOP3.LUT"),
-          sass.count("HFMA2"))
+          sass.count("HFMA2"), sass.count("LDGSTS"))
 """
 
 
@@ -270,10 +274,25 @@ def test_words_tiles_compile_for_hopper():
     args = [f"{ahead}:fp16:1", f"{ahead}:bf16:4", f"{pieces}:fp16:2", f"{pieces}:bf16:1",
             f"{pieces}:fp16:1:64"]
     out = compiled_for_hopper(HOPPER_WORDS, *args).split()
-    got = {out[j]: tuple(map(int, out[j + 1:j + 4])) for j in range(0, len(out), 4)}
+    got = {out[j]: tuple(map(int, out[j + 1:j + 5])) for j in range(0, len(out), 5)}
     assert set(got) == set(args), out
-    for arg, (regs, lop3, hfma2) in got.items():
-        assert regs <= 128 and lop3 >= 16 and hfma2 >= 32, (arg, got)
+    for arg, (regs, lop3, hfma2, cp_async) in got.items():
+        assert regs <= 128 and lop3 >= 16 and hfma2 >= 32 and cp_async == 0, (arg, got)
+
+
+@pytest.mark.skipif(CUDA, reason="compiled for sm_90 on a machine without a GPU")
+def test_pipelined_tiles_load_through_cp_async():
+    """PIPE_CANDIDATES (WORDS and HALF tiles whose loop is tl.range(num_stages=...)) compile to
+    cp.async loads into shared memory, the point of them (the WORDS tiles with a plain range
+    compile to none, whatever num_stages the launch is given: the test above)."""
+    n_words = len(gemv_w4.WORDS_CANDIDATES)
+    args = [f"{n_words + i}:{dt}:{c[6]}" for i, c in enumerate(gemv_w4.PIPE_CANDIDATES)
+            for dt in ("fp16", "bf16")]
+    out = compiled_for_hopper(HOPPER_WORDS, *args).split()
+    got = {out[j]: tuple(map(int, out[j + 1:j + 5])) for j in range(0, len(out), 5)}
+    assert set(got) == set(args), out
+    for arg, (regs, lop3, hfma2, cp_async) in got.items():
+        assert cp_async > 0 and regs <= 128, (arg, got)
 
 
 def test_block_k_stays_inside_a_group():

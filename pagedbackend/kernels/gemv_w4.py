@@ -57,6 +57,16 @@ KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
                      (64, 128, 4, 3, False, 3, 8), (64, 256, 4, 3, False, 3, 8),
                      (16, 1024, 4, 3, False, True, 2),
                      (32, 512, 4, 4, False, True, 4), (16, 512, 4, 4, False, True, 4))
+# one row, split-K, the loads pipelined by the compiler (an eighth element, True: the loop is
+# tl.range(num_stages=num_stages), which puts num_stages - 1 iterations' codes in flight
+# through shared memory, cp.async, instead of registers; compiled for sm_90 by triton 3.9 a
+# loop of plain range() issues no cp.async whatever num_stages is): WORDS and HALF tiles
+# loaded in their iteration. Calls 83-85 (H100) point at the bytes in flight an SM: two WORDS
+# pieces an iteration ran 1.10-1.12x every other tile, four (96 registers, fewer programs)
+# did not. Not measured yet.
+PIPE_CANDIDATES = ((64, 128, 4, 4, False, 3, 4, True), (64, 128, 4, 4, False, 3, 8, True),
+                   (64, 128, 4, 6, False, 3, 4, True), (64, 256, 4, 4, False, 3, 2, True),
+                   (64, 256, 4, 4, False, 2, 2, True), (64, 256, 4, 4, False, 2, 8, True))
 # wider steps: swap-AB GEMM tiles ("t", BLOCK_N, BLOCK_M, SUB_K, num_warps, num_stages, SPLIT),
 # timed per rows bucket against dequantize + cuBLAS. The weight tile is the dot's first operand,
 # acc[BLOCK_N, BLOCK_M] = W x^T, so the dequantized codes feed the tensor cores from registers
@@ -412,7 +422,8 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, KSPLIT: tl.constexpr,
                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr,
-                        prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                        prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                        PIPE: tl.constexpr):
     pid = tl.program_id(0)
     # split-K (KSPLIT > 1: one row tile, no prologue): program (pid, ks) sums K / KSPLIT
     # columns, from ks * K / KSPLIT
@@ -456,11 +467,13 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
     else:
         k_lo = 0
-    if SPLIT == 3 and BLOCK_K <= 2 * SUB_K:    # WORDS, one or two pieces: loads ahead
+    if SPLIT == 3 and BLOCK_K <= 2 * SUB_K and PIPE == 1:    # WORDS, 1-2 pieces: loads ahead
         yw = _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP,
                         BLOCK_N, BLOCK_K, SUB_K, x_ptr.dtype.element_ty == tl.bfloat16)
     else:
-        for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
+        # PIPE > 1: the compiler pipelines the iteration's loads through shared memory
+        # (cp.async), PIPE - 1 iterations ahead; 1: loaded in their iteration, as before
+        for k0 in tl.range(k_lo, k_lo + k_len, BLOCK_K, num_stages=PIPE):
             for i in tl.static_range(BLOCK_K // SUB_K):
                 kk = tl.multiple_of(k0 + i * SUB_K, SUB_K)
                 if SPLIT == 3:     # WORDS: one row, no prologue (WORDS_CANDIDATES)
@@ -518,7 +531,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                         acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
     if USE_DOT:
         y = acc2
-    elif SPLIT == 3 and BLOCK_K <= 2 * SUB_K:
+    elif SPLIT == 3 and BLOCK_K <= 2 * SUB_K and PIPE == 1:
         y = yw[None, :]
     elif SPLIT == 3:
         y = tl.sum(acc1, axis=1)[None, :] * WORDS_UP
@@ -772,9 +785,11 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     block_n, block_k, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
     # SPLIT_CANDIDATES (1), HALF_CANDIDATES (2), WORDS_CANDIDATES (3); a seventh element
-    # splits K (KSPLIT_CANDIDATES)
+    # splits K (KSPLIT_CANDIDATES), an eighth (True) has the compiler pipeline the loads over
+    # num_stages (PIPE_CANDIDATES)
     split = int(dot[1]) if not use_dot and len(dot) > 1 else 0
     ksplit = int(dot[2]) if not use_dot and len(dot) > 2 else 1
+    pipe = stages if not use_dot and len(dot) > 3 and dot[3] else 1
     assert ksplit == 1 or prologue == PLAIN and m <= MAX_ROWS and k % (ksplit * pw.group_size) \
         == 0, f"split-K tile {config} takes no prologue, <= {MAX_ROWS} rows and whole groups " \
         f"per split, not prologue {prologue}, {m} rows, K {k}, group {pw.group_size}"
@@ -812,7 +827,7 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=split, KSPLIT=ksplit,
         USE_DOT=use_dot,
         PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
-        PREFETCH=pf > 0, num_warps=warps, num_stages=stages, **pdl_launch(x))
+        PREFETCH=pf > 0, PIPE=pipe, num_warps=warps, num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
 
 
