@@ -251,7 +251,7 @@ for arg in sys.argv[1:]:
     const = dict(GROUP=int(group), BITS=4, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
                  HAS_BIAS=False, SPLIT=split, KSPLIT=int(ksplit), USE_DOT=False,
                  PRECISION="tf32", PROLOGUE=0, USE_PDL=True, PREFETCH=True,
-                 PIPE=stages if len(cfg) > 7 and cfg[7] else 1)
+                 PIPE=gemv_w4.pipe_stages(cfg))
     ptrs = {n: "*" + dt for n in ("x_ptr", "b_ptr", "y_ptr", "r_ptr", "r_out_ptr", "g_ptr")}
     ptrs.update(q_ptr="*u8", s_ptr="*fp16", z_ptr="*u8", ws_ptr="*fp32", cnt_ptr="*i32")
     usage = sm90_tool(gemv_w4._packed_gemv_kernel, const, ptrs, warps, stages, "cuobjdump",
@@ -293,6 +293,32 @@ def test_pipelined_tiles_load_through_cp_async():
     assert set(got) == set(args), out
     for arg, (regs, lop3, hfma2, cp_async) in got.items():
         assert cp_async > 0 and regs <= 128, (arg, got)
+
+
+# compiled for sm_90: each DOT_CANDIDATES tile at 8 rows, its count of cp.async (LDGSTS)
+HOPPER_DOT = """
+import sys
+from pagedbackend.kernels import gemv_w4
+for cfg in gemv_w4.DOT_CANDIDATES:
+    block_n, block_k, warps, stages, _ = cfg
+    sub_k, block_k = gemv_w4._tile_k(block_k, 128, 4096)
+    const = dict(GROUP=128, BITS=4, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
+                 HAS_BIAS=False, SPLIT=0, KSPLIT=1, USE_DOT=True, PRECISION="tf32",
+                 PROLOGUE=0, USE_PDL=True, PREFETCH=True, PIPE=gemv_w4.pipe_stages(cfg))
+    ptrs = {n: "*bf16" for n in ("x_ptr", "b_ptr", "y_ptr", "r_ptr", "r_out_ptr", "g_ptr")}
+    ptrs.update(q_ptr="*u8", s_ptr="*fp16", z_ptr="*u8", ws_ptr="*fp32", cnt_ptr="*i32")
+    sass = sm90_tool(gemv_w4._packed_gemv_kernel, const, ptrs, warps, stages, "nvdisasm", "-c")
+    print(sass.count("LDGSTS"))
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="compiled for sm_90 on a machine without a GPU")
+def test_tensor_core_tiles_keep_their_pipelined_loads():
+    """The 2-8 row tensor-core tiles' loads stay pipelined through shared memory by the
+    launch's num_stages: their PIPE (None) leaves the loop to it (an explicit num_stages=1 on
+    the loop took their cp.async away)."""
+    counts = list(map(int, compiled_for_hopper(HOPPER_DOT).split()))
+    assert len(counts) == len(gemv_w4.DOT_CANDIDATES) and min(counts) > 0, counts
 
 
 def test_block_k_stays_inside_a_group():

@@ -467,12 +467,14 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
     else:
         k_lo = 0
-    if SPLIT == 3 and BLOCK_K <= 2 * SUB_K and PIPE == 1:    # WORDS, 1-2 pieces: loads ahead
+    if SPLIT == 3 and BLOCK_K <= 2 * SUB_K and PIPE is None:   # WORDS, 1-2 pieces: loads ahead
         yw = _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP,
                         BLOCK_N, BLOCK_K, SUB_K, x_ptr.dtype.element_ty == tl.bfloat16)
     else:
-        # PIPE > 1: the compiler pipelines the iteration's loads through shared memory
-        # (cp.async), PIPE - 1 iterations ahead; 1: loaded in their iteration, as before
+        # PIPE (PIPE_CANDIDATES): the compiler pipelines the iteration's loads through shared
+        # memory (cp.async), PIPE - 1 iterations ahead. None: the launch's num_stages, which
+        # pipelines the loads of the tensor-core tiles' dots and no others (sm_90, triton
+        # 3.9: num_stages=1 here would take the dots' cp.async away too)
         for k0 in tl.range(k_lo, k_lo + k_len, BLOCK_K, num_stages=PIPE):
             for i in tl.static_range(BLOCK_K // SUB_K):
                 kk = tl.multiple_of(k0 + i * SUB_K, SUB_K)
@@ -531,7 +533,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                         acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
     if USE_DOT:
         y = acc2
-    elif SPLIT == 3 and BLOCK_K <= 2 * SUB_K and PIPE == 1:
+    elif SPLIT == 3 and BLOCK_K <= 2 * SUB_K and PIPE is None:
         y = yw[None, :]
     elif SPLIT == 3:
         y = tl.sum(acc1, axis=1)[None, :] * WORDS_UP
@@ -675,6 +677,13 @@ def _dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, BITS:
              mask=n_ok[:, None])
 
 
+def pipe_stages(config: tuple) -> int | None:
+    """The kernel's PIPE for a one-row-or-more tile: its num_stages for PIPE_CANDIDATES (an
+    eighth element, True), else None (the loop a plain range: the launch's num_stages then
+    pipelines the tensor-core tiles' loads, and no other tile's)."""
+    return config[3] if len(config) > 7 and not config[4] and config[7] else None
+
+
 def half_fits(config: tuple, group: int, row_bytes: int = 0) -> bool:
     """Whether a HALF tile (SPLIT 2) gives each thread eight code bytes (or more) of a piece
     (_half_step takes eight consecutive bytes of one row at a time), or a WORDS tile (SPLIT 3)
@@ -789,7 +798,6 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     # num_stages (PIPE_CANDIDATES)
     split = int(dot[1]) if not use_dot and len(dot) > 1 else 0
     ksplit = int(dot[2]) if not use_dot and len(dot) > 2 else 1
-    pipe = stages if not use_dot and len(dot) > 3 and dot[3] else 1
     assert ksplit == 1 or prologue == PLAIN and m <= MAX_ROWS and k % (ksplit * pw.group_size) \
         == 0, f"split-K tile {config} takes no prologue, <= {MAX_ROWS} rows and whole groups " \
         f"per split, not prologue {prologue}, {m} rows, K {k}, group {pw.group_size}"
@@ -827,7 +835,7 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=split, KSPLIT=ksplit,
         USE_DOT=use_dot,
         PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
-        PREFETCH=pf > 0, PIPE=pipe, num_warps=warps, num_stages=stages, **pdl_launch(x))
+        PREFETCH=pf > 0, PIPE=pipe_stages(config), num_warps=warps, num_stages=stages, **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
 
 
