@@ -103,9 +103,11 @@ def test_an_unwritable_folder_costs_only_the_tuning(tmp_path, monkeypatch, caplo
     blocker.write_text("")
     monkeypatch.setenv(tuning_cache.ENV, str(blocker / "tuning"))     # under a plain file
     monkeypatch.setattr(tuning_cache, "_LOADED", {})
+    monkeypatch.setattr(tuning_cache, "_UNWRITABLE", set())
     with caplog.at_level(logging.WARNING, logger="pagedbackend"):
         assert tuning_cache.remembered("w4", KEY, (), lambda: TILE) == TILE
-    assert "not written" in caplog.text
+        assert tuning_cache.remembered("w4", KEY[:1] + (2,) + KEY[2:], (), lambda: None) is None
+    assert caplog.text.count("not written") == 1      # once, not once a shape
 
 
 def test_processes_tuning_at_once_keep_both_entries(cache, monkeypatch):

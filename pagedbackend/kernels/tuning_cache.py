@@ -33,6 +33,7 @@ ENV = "PAGEDBACKEND_TUNING_CACHE"
 _KERNELS = Path(__file__).resolve().parent
 _LOADED: dict[Path, dict[str, str]] = {}    # file -> its entries, read once per process
 _FINGERPRINT: dict[object, str] = {}        # device index -> the file's name
+_UNWRITABLE: set[Path] = set()              # files whose write failed (warned once)
 
 
 def directory() -> Path | None:
@@ -103,7 +104,10 @@ def _write(path: Path, table: str, key: tuple, candidates, value) -> None:
             json.dump({"entries": entries}, f, indent=0, sort_keys=True)
         os.replace(tmp, path)
     except OSError as e:
-        logger.warning("tuning cache %s not written (%s): the next start tunes again", path, e)
+        if path not in _UNWRITABLE:     # once a file, not once a shape
+            _UNWRITABLE.add(path)
+            logger.warning("tuning cache %s not written (%s): the next start tunes again",
+                           path, e)
 
 
 def remembered(table: str, key: tuple, candidates, tune: Callable[[], object]):
