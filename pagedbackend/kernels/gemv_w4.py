@@ -59,8 +59,9 @@ KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
                      (32, 512, 4, 4, False, True, 4), (16, 512, 4, 4, False, True, 4))
 # one row, split-K, the loads pipelined by the compiler (an eighth element, True: the loop is
 # tl.range(num_stages=num_stages), which puts num_stages - 1 iterations' codes in flight
-# through shared memory, cp.async, instead of registers; compiled for sm_90 by triton 3.9 a
-# loop of plain range() issues no cp.async whatever num_stages is): WORDS and HALF tiles
+# through shared memory, cp.async, instead of registers; compiled for sm_90 by triton 3.9
+# these tiles' plain range() loop issues none whatever num_stages is, where the tensor-core
+# tiles' dots get theirs from the launch's num_stages, pipe_stages): WORDS and HALF tiles
 # loaded in their iteration. Calls 83-85 (H100) point at the bytes in flight an SM: two WORDS
 # pieces an iteration ran 1.10-1.12x every other tile, four (96 registers, fewer programs)
 # did not. Not measured yet.
@@ -835,7 +836,8 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=split, KSPLIT=ksplit,
         USE_DOT=use_dot,
         PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
-        PREFETCH=pf > 0, PIPE=pipe_stages(config), num_warps=warps, num_stages=stages, **pdl_launch(x))
+        PREFETCH=pf > 0, PIPE=pipe_stages(config), num_warps=warps, num_stages=stages,
+        **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
 
 
