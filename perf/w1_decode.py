@@ -79,11 +79,13 @@ def main():
     a = ap.parse_args()
     from pagedbackend import LLM
 
-    def make_llm(**kw):
+    defaults = {"quantization": a.quantization}
+    if a.dtype:
+        defaults["dtype"] = a.dtype
+
+    def make_llm(**kw):     # a variant's kw (e.g. --ab fp16's dtype) over the defaults
         return LLM(dummy_model_dir(a.model), load_format="dummy", max_model_len=4096,
-                   **engine_overrides(),
-                   **{"quantization": a.quantization, **({"dtype": a.dtype} if a.dtype else {}),
-                      **kw},
+                   **engine_overrides(), **{**defaults, **kw},
                    max_num_seqs=8, enforce_eager=a.enforce_eager)
     rows = []
 

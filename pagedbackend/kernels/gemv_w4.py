@@ -468,7 +468,9 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
     else:
         k_lo = 0
-    if SPLIT == 3 and BLOCK_K <= 2 * SUB_K and PIPE is None:   # WORDS, 1-2 pieces: loads ahead
+    # WORDS of one or two pieces an iteration, not pipelined by the compiler: loads ahead
+    WORDS_AHEAD: tl.constexpr = SPLIT == 3 and BLOCK_K <= 2 * SUB_K and PIPE is None
+    if WORDS_AHEAD:
         yw = _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP,
                         BLOCK_N, BLOCK_K, SUB_K, x_ptr.dtype.element_ty == tl.bfloat16)
     else:
@@ -534,7 +536,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                         acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
     if USE_DOT:
         y = acc2
-    elif SPLIT == 3 and BLOCK_K <= 2 * SUB_K and PIPE is None:
+    elif WORDS_AHEAD:
         y = yw[None, :]
     elif SPLIT == 3:
         y = tl.sum(acc1, axis=1)[None, :] * WORDS_UP
