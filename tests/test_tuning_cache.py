@@ -110,6 +110,15 @@ def test_an_unwritable_folder_costs_only_the_tuning(tmp_path, monkeypatch, caplo
     assert caplog.text.count("not written") == 1      # once, not once a shape
 
 
+def test_a_failed_write_leaves_no_temporary_file(cache, monkeypatch):
+    def disk_full(*a, **kw):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tuning_cache.json, "dump", disk_full)
+    monkeypatch.setattr(tuning_cache, "_UNWRITABLE", set())
+    assert tuning_cache.remembered("w4", KEY, (), lambda: TILE) == TILE
+    assert list(cache.iterdir()) == []
+
+
 def test_processes_tuning_at_once_keep_both_entries(cache, monkeypatch):
     """Two processes that read the file before either wrote it (tensor-parallel ranks)."""
     tuning_cache._entries(cache / tuning_cache.file_name(None))

@@ -75,15 +75,22 @@ def _entry_key(table: str, key: tuple, candidates) -> str:
     return f"{table} {key!r} {sets}"
 
 
+_UNREADABLE = (OSError, ValueError, KeyError, TypeError, AttributeError)
+
+
+def _read(path: Path) -> dict[str, str]:
+    """The file's entries; raises FileNotFoundError, or one of _UNREADABLE."""
+    return {str(k): str(v) for k, v in json.loads(path.read_text())["entries"].items()}
+
+
 def _entries(path: Path) -> dict[str, str]:
     if path not in _LOADED:
         entries: dict[str, str] = {}
         try:
-            data = json.loads(path.read_text())
-            entries = {str(k): str(v) for k, v in data["entries"].items()}
+            entries = _read(path)
         except FileNotFoundError:
             pass
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except _UNREADABLE as e:
             logger.warning("tuning cache %s is unreadable, ignored (%s)", path, e)
         _LOADED[path] = entries
     return _LOADED[path]
@@ -92,18 +99,20 @@ def _entries(path: Path) -> dict[str, str]:
 def _write(path: Path, table: str, key: tuple, candidates, value) -> None:
     entries = _entries(path)
     entries[_entry_key(table, key, candidates)] = repr(value)
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:        # another process's entries since this one read the file
-            theirs = json.loads(path.read_text())["entries"]
-            entries.update({str(k): str(v) for k, v in theirs.items() if k not in entries})
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            entries.update({k: v for k, v in _read(path).items() if k not in entries})
+        except _UNREADABLE:
             pass
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump({"entries": entries}, f, indent=0, sort_keys=True)
         os.replace(tmp, path)
     except OSError as e:
+        if tmp is not None and os.path.exists(tmp):     # a half-written file, not renamed
+            os.unlink(tmp)
         if path not in _UNWRITABLE:     # once a file, not once a shape
             _UNWRITABLE.add(path)
             logger.warning("tuning cache %s not written (%s): the next start tunes again",
