@@ -13,9 +13,10 @@ stages=${*:-"kernels w1 w2 w3 correctness bench"}
 # PIPE_CANDIDATES tiles, loads pipelined by the compiler through shared memory, their GPU
 # parity and times against every WORDS / HALF tile; on triton 3.6 they may not compile, and
 # then the tuner skips them), "w1awq16" (~4 min: W1 AWQ in fp16 with the two-piece WORDS
-# tiles the tuner can now take at gate|up and down; on an H200 the goal's figure), "w4runs" on an H200 (~1 min: the one-row tiles' read bound there), "ncusrc"
-# with NCU_TILES naming the one- and two-piece WORDS tiles (why two pieces run faster), "w4wide"
-# (~2 min: the swap-AB pair tiles at 64-8,192 rows); on an H200, "dmon w1pairs" (~5 min: W1
+# tiles the tuner can now take at gate|up and down; on an H200 the goal's figure), "w4runs"
+# on an H200 (~1 min: the one-row tiles' read bound there), "ncusrc" with NCU_TILES naming
+# the one- and two-piece WORDS tiles (why two pieces run faster), "w4wide" (~2 min: the
+# swap-AB pair tiles at 64-8,192 rows); on an H200, "dmon w1pairs" (~5 min: W1
 # fp8 / int8 with the fp16-pair tiles at 64 registers), "dequant fp8mma" (~4 min: the W8A8
 # fp8 tiles at 1-64 rows, W1 fp8 A/B) then "w2awq" (~5 min: AWQ 0.854x bf16 on an H100),
 # "correctnessw8a8 correctnessawq correctnessgptq", "servefp8" (~8 min, carry
@@ -36,6 +37,7 @@ in_snapshot() {  # name seconds command...: run in .snapshot/ (perf/snapshot.sh,
   (cd .snapshot && PAGEDBACKEND_COMMIT=$(cat COMMIT) run "$@")
 }
 base_py=$(PATH=${PATH#/tmp/tsenv/bin:} command -v python3)
+ncu_bin() { echo "${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)}"; }
 # the tuners' choices (kernels/tuning_cache.py) in the checkout: carry .tuning-cache from an
 # earlier call's logs (tuning-cache/ in logs.tgz) and its engines skip the tuning where the
 # GPU, versions and kernel sources are the same
@@ -165,7 +167,7 @@ for s in $stages; do
     # Nsight Compute on the tuned one-row tiles (4-bit, int8, e4m3, bf16; gate|up and down; or
     # NCU_TILES="--tile kind:shape:tile ...", tiles without spaces): stall reasons, issue rate
     # and memory pipes, ~3 min
-    ncu) run ncutiles 300 "${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)}" \
+    ncu) run ncutiles 300 "$(ncu_bin)" \
            --clock-control none --nvtx --nvtx-include "ncu/" --section SpeedOfLight \
            --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
            --section Occupancy --section LaunchStats --section InstructionStats \
@@ -173,10 +175,9 @@ for s in $stages; do
            python3 perf/ncu_tiles.py ${NCU_TILES:-} ;;
     # the same tiles' stalls per SASS instruction (PC sampling, --set full): the report, then
     # its source page as CSV (ncusass.log), ~2 min
-    ncusrc) ncu_bin=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)}
-            run ncusrc 240 "$ncu_bin" --clock-control none --nvtx --nvtx-include "ncu/" \
+    ncusrc) run ncusrc 240 "$(ncu_bin)" --clock-control none --nvtx --nvtx-include "ncu/" \
               --set full -f -o "$out/tiles" python3 perf/ncu_tiles.py ${NCU_TILES:-}
-            run ncusass 120 "$ncu_bin" -i "$out/tiles.ncu-rep" --page source --csv \
+            run ncusass 120 "$(ncu_bin)" -i "$out/tiles.ncu-rep" --page source --csv \
               --print-source sass ;;
     # the codes alone read in the one-row tiles' pattern, row-major against tile-contiguous:
     # the read bound of the 4-bit one-row tiles (H100 call 80: 2.5-2.7 TB/s, any run), ~1 min
