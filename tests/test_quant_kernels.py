@@ -236,27 +236,35 @@ def test_swap_pair_tiles_compile_for_hopper_to_wgmma():
         assert mma > 0 and lop3 > 0 and (bf16 > 0) == ("bf16" in arg), got
 
 
-# compiled for sm_90 by compiled_for_hopper; prints each one-row WORDS / HALF tile's registers
-# and its SASS counts of lop3, fp16-pair FMAs and cp.async (LDGSTS); a tile is an index into
-# WORDS_CANDIDATES + PIPE_CANDIDATES
-HOPPER_WORDS = """
+PACKED_SM90 = """
 import re
 import sys
 from pagedbackend.kernels import gemv_w4
-for arg in sys.argv[1:]:
-    i, dt, ksplit, group = (arg + ":128").split(":")[:4]
-    cfg = (gemv_w4.WORDS_CANDIDATES + gemv_w4.PIPE_CANDIDATES)[int(i)]
-    block_n, block_k, warps, stages, _, split = cfg[:6]
-    sub_k, block_k = gemv_w4._tile_k(block_k, int(group), 4096 // int(ksplit))
-    const = dict(GROUP=int(group), BITS=4, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
-                 HAS_BIAS=False, SPLIT=split, KSPLIT=int(ksplit), USE_DOT=False,
+
+
+def packed_tool(cfg, dt, ksplit, group, block_m, tool, *flags):
+    # _packed_gemv_kernel with tile cfg (no prologue, K 4,096, dt inputs) through sm90_tool
+    block_n, block_k, warps, stages, use_dot = cfg[:5]
+    split = 0 if use_dot else cfg[5]
+    sub_k, block_k = gemv_w4._tile_k(block_k, group, 4096 // ksplit)
+    const = dict(GROUP=group, BITS=4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                 SUB_K=sub_k, HAS_BIAS=False, SPLIT=split, KSPLIT=ksplit, USE_DOT=use_dot,
                  PRECISION="tf32", PROLOGUE=0, USE_PDL=True, PREFETCH=True,
                  PIPE=gemv_w4.pipe_stages(cfg))
     ptrs = {n: "*" + dt for n in ("x_ptr", "b_ptr", "y_ptr", "r_ptr", "r_out_ptr", "g_ptr")}
     ptrs.update(q_ptr="*u8", s_ptr="*fp16", z_ptr="*u8", ws_ptr="*fp32", cnt_ptr="*i32")
-    usage = sm90_tool(gemv_w4._packed_gemv_kernel, const, ptrs, warps, stages, "cuobjdump",
-                      "--dump-resource-usage")
-    sass = sm90_tool(gemv_w4._packed_gemv_kernel, const, ptrs, warps, stages, "nvdisasm", "-c")
+    return sm90_tool(gemv_w4._packed_gemv_kernel, const, ptrs, warps, stages, tool, *flags)
+"""
+# compiled for sm_90 by compiled_for_hopper; prints each one-row WORDS / HALF tile's registers
+# and its SASS counts of lop3, fp16-pair FMAs and cp.async (LDGSTS); a tile is an index into
+# WORDS_CANDIDATES + PIPE_CANDIDATES
+HOPPER_WORDS = PACKED_SM90 + """
+for arg in sys.argv[1:]:
+    i, dt, ksplit, group = (arg + ":128").split(":")[:4]
+    cfg = (gemv_w4.WORDS_CANDIDATES + gemv_w4.PIPE_CANDIDATES)[int(i)]
+    usage = packed_tool(cfg, dt, int(ksplit), int(group), 1, "cuobjdump",
+                        "--dump-resource-usage")
+    sass = packed_tool(cfg, dt, int(ksplit), int(group), 1, "nvdisasm", "-c")
     print(arg, re.search(r"REG:(\\d+)", usage).group(1), sass.count("LOP3.LUT"),
           sass.count("HFMA2"), sass.count("LDGSTS"))
 """
@@ -296,19 +304,9 @@ def test_pipelined_tiles_load_through_cp_async():
 
 
 # compiled for sm_90: each DOT_CANDIDATES tile at 8 rows, its count of cp.async (LDGSTS)
-HOPPER_DOT = """
-import sys
-from pagedbackend.kernels import gemv_w4
-for cfg in gemv_w4.DOT_CANDIDATES:
-    block_n, block_k, warps, stages, _ = cfg
-    sub_k, block_k = gemv_w4._tile_k(block_k, 128, 4096)
-    const = dict(GROUP=128, BITS=4, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
-                 HAS_BIAS=False, SPLIT=0, KSPLIT=1, USE_DOT=True, PRECISION="tf32",
-                 PROLOGUE=0, USE_PDL=True, PREFETCH=True, PIPE=gemv_w4.pipe_stages(cfg))
-    ptrs = {n: "*bf16" for n in ("x_ptr", "b_ptr", "y_ptr", "r_ptr", "r_out_ptr", "g_ptr")}
-    ptrs.update(q_ptr="*u8", s_ptr="*fp16", z_ptr="*u8", ws_ptr="*fp32", cnt_ptr="*i32")
-    sass = sm90_tool(gemv_w4._packed_gemv_kernel, const, ptrs, warps, stages, "nvdisasm", "-c")
-    print(sass.count("LDGSTS"))
+HOPPER_DOT = PACKED_SM90 + """
+for cfg in gemv_w4.DOT_CANDIDATES:      # 8 rows: BLOCK_M 16, as packed_gemv pads them
+    print(packed_tool(cfg, "bf16", 1, 128, 16, "nvdisasm", "-c").count("LDGSTS"))
 """
 
 
