@@ -132,7 +132,9 @@ def test_half_tiles_are_one_16_bit_row_with_8_bytes_a_thread():
     half, words = gemv_w4.HALF_CANDIDATES[0], gemv_w4.WORDS_CANDIDATES[0]
     for cfg in (half, words):
         for x, prologue in ((torch.randn(2, 256, device=DEV).bfloat16(), gemv_w4.PLAIN),
-                            (torch.randn(1, 256, device=DEV), gemv_w4.PLAIN)):
+                            (torch.randn(1, 256, device=DEV), gemv_w4.PLAIN),
+                            # a prologue only where the tile splits K
+                            (torch.randn(1, 512, device=DEV).bfloat16(), gemv_w4.SILU_MUL)):
             with pytest.raises(AssertionError, match="HALF / WORDS tile"):
                 gemv_w4.packed_gemv(x, pw, None, cfg, prologue)
     # 16 rows x a 64-column piece (32 bytes) over 128 threads: 4 bytes a thread
@@ -183,15 +185,12 @@ def test_split_k_tiles_match_dequantize_then_matmul(cfg, dtype):
     assert not counts.any(), "a tile's count of finished splits was left behind"
 
 
-def test_split_k_tiles_are_one_plain_row_of_whole_groups():
+def test_split_k_tiles_take_whole_groups():
     pw = packed_weight(64, 512, 4, 128)
     cfg = (16, 128, 2, 3, False, True, 2)
     x = torch.randn(1, 512, device=DEV).bfloat16()
     with pytest.raises(AssertionError, match="split-K tile"):    # 512 = 2 x 2 groups, not 8
         gemv_w4.packed_gemv(x, pw, None, cfg[:6] + (8,))
-    with pytest.raises(AssertionError, match="split-K tile"):
-        gemv_w4.packed_gemv(x, pw, None, cfg, gemv_w4.NORM, None,
-                            torch.ones(512, device=DEV).bfloat16(), 1e-6)
     tuning = importlib.import_module("pagedbackend.kernels.gemv_w4_tuning")
     one = set(tuning._tiles(1, pw))
     # K 512 of group 128: splits of 2 and 4 fit, 8 does not
@@ -242,17 +241,19 @@ import sys
 from pagedbackend.kernels import gemv_w4
 
 
-def packed_tool(cfg, dt, ksplit, group, block_m, tool, *flags):
-    # _packed_gemv_kernel with tile cfg (no prologue, K 4,096, dt inputs) through sm90_tool
+def packed_tool(cfg, dt, ksplit, group, block_m, tool, *flags, prologue=0):
+    # _packed_gemv_kernel with tile cfg (K 4,096, dt inputs) through sm90_tool
     block_n, block_k, warps, stages, use_dot = cfg[:5]
     split = 0 if use_dot else cfg[5]
     sub_k, block_k = gemv_w4._tile_k(block_k, group, 4096 // ksplit)
     const = dict(GROUP=group, BITS=4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                  SUB_K=sub_k, HAS_BIAS=False, SPLIT=split, KSPLIT=ksplit, USE_DOT=use_dot,
-                 PRECISION="tf32", PROLOGUE=0, USE_PDL=True, PREFETCH=True,
-                 PIPE=gemv_w4.pipe_stages(cfg))
-    ptrs = {n: "*" + dt for n in ("x_ptr", "b_ptr", "y_ptr", "r_ptr", "r_out_ptr", "g_ptr")}
-    ptrs.update(q_ptr="*u8", s_ptr="*fp16", z_ptr="*u8", ws_ptr="*fp32", cnt_ptr="*i32")
+                 PRECISION="tf32", PROLOGUE=prologue, USE_PDL=True, PREFETCH=True,
+                 PIPE=gemv_w4.pipe_stages(cfg), IN_CHUNK=512 if prologue else 1)
+    ptrs = {n: "*" + dt for n in ("x_ptr", "b_ptr", "y_ptr", "r_ptr", "r_out_ptr", "g_ptr",
+                                  "xs_ptr")}
+    ptrs.update(q_ptr="*u8", s_ptr="*fp16", z_ptr="*u8", ws_ptr="*fp32", cnt_ptr="*i32",
+                ss_ptr="*fp32")
     return sm90_tool(gemv_w4._packed_gemv_kernel, const, ptrs, warps, stages, tool, *flags)
 """
 # compiled for sm_90 by compiled_for_hopper; prints each one-row WORDS / HALF tile's registers
@@ -260,11 +261,12 @@ def packed_tool(cfg, dt, ksplit, group, block_m, tool, *flags):
 # WORDS_CANDIDATES + PIPE_CANDIDATES
 HOPPER_WORDS = PACKED_SM90 + """
 for arg in sys.argv[1:]:
-    i, dt, ksplit, group = (arg + ":128").split(":")[:4]
+    i, dt, ksplit, group, prologue = (arg + ":128:0").split(":")[:5]
     cfg = (gemv_w4.WORDS_CANDIDATES + gemv_w4.PIPE_CANDIDATES)[int(i)]
     usage = packed_tool(cfg, dt, int(ksplit), int(group), 1, "cuobjdump",
-                        "--dump-resource-usage")
-    sass = packed_tool(cfg, dt, int(ksplit), int(group), 1, "nvdisasm", "-c")
+                        "--dump-resource-usage", prologue=int(prologue))
+    sass = packed_tool(cfg, dt, int(ksplit), int(group), 1, "nvdisasm", "-c",
+                       prologue=int(prologue))
     print(arg, re.search(r"REG:(\\d+)", usage).group(1), sass.count("LOP3.LUT"),
           sass.count("HFMA2"), sass.count("LDGSTS"))
 """
@@ -301,6 +303,25 @@ def test_pipelined_tiles_load_through_cp_async():
     assert set(got) == set(args), out
     for arg, (regs, lop3, hfma2, cp_async) in got.items():
         assert cp_async > 0 and regs <= 128, (arg, got)
+
+
+@pytest.mark.skipif(CUDA, reason="compiled for sm_90 on a machine without a GPU")
+def test_split_k_words_tiles_with_a_prologue_compile_for_hopper():
+    """The two-piece WORDS tile and a PIPE one with each prologue before their split of K
+    (residual add + RMSNorm, RMSNorm, SiLU * up): ptxas takes them, the loop's PTX is the
+    plain tile's (lop3, fp16-pair FMAs; cp.async where PIPE) and a thread keeps to at most
+    128 registers."""
+    two = next(i for i, c in enumerate(gemv_w4.WORDS_CANDIDATES) if c[1] == 256)
+    pipe = len(gemv_w4.WORDS_CANDIDATES) + next(
+        i for i, c in enumerate(gemv_w4.PIPE_CANDIDATES) if c[5] == 3)
+    args = [f"{two}:bf16:2:128:2", f"{two}:fp16:8:128:1", f"{two}:bf16:4:128:3",
+            f"{pipe}:fp16:4:128:2"]
+    out = compiled_for_hopper(HOPPER_WORDS, *args).split()
+    got = {out[j]: tuple(map(int, out[j + 1:j + 5])) for j in range(0, len(out), 5)}
+    assert set(got) == set(args), out
+    for arg, (regs, lop3, hfma2, cp_async) in got.items():
+        assert regs <= 128 and lop3 >= 16 and hfma2 >= 32, (arg, got)
+        assert (cp_async > 0) == arg.startswith(f"{pipe}:"), (arg, got)
 
 
 # compiled for sm_90: each DOT_CANDIDATES tile at 8 rows, its count of cp.async (LDGSTS)
@@ -430,6 +451,43 @@ def test_packed_gemv_prologues(cfg):
         gate_up = torch.randn(m, 2 * k, device=DEV).bfloat16()
         y = gemv_w4.packed_gemv(gate_up, pw, None, cfg, SILU_MUL)
         assert rel_err(y, activation.silu_and_mul_torch(gate_up).float() @ w.t()) < 2e-2
+
+
+@pytest.mark.parametrize("cfg", [(32, 128, 2, 3, False, 3, 2), (16, 128, 2, 3, False, 2, 4),
+                                 (8, 128, 2, 3, False, True, 8), (32, 128, 2, 4, False, 3, 4, True)]
+                         + ([gemv_w4.KSPLIT_CANDIDATES[3], gemv_w4.PIPE_CANDIDATES[1]] if CUDA
+                            else []),
+                         ids=["words2", "half4", "split8", "words4_pipe"]
+                         + (["words8_real", "pipe8_real"] if CUDA else []))
+def test_split_k_prologues(cfg):
+    """The prologues in a split-K tile (each split turns its own columns of the input into the
+    matmul's, _split_input; the norms' 1/rms from every split's sum of squares): residual add
+    + RMSNorm (the sum written whole, equal to the separate kernel's), RMSNorm alone,
+    SiLU(gate) * up, each against the separate op then the same tile without a prologue, and
+    the same bits on a second launch (the splits' scratch and counts shared by launches)."""
+    from pagedbackend.kernels.gemv import ADD_NORM, NORM, SILU_MUL
+    from pagedbackend.layers import activation, norm
+    n, k = (4096, 4096) if CUDA else (80, 1024)     # N not a multiple of every BLOCK_N
+    pw = packed_weight(n, k, 4, 64)
+    rows = (1, 3) if cfg[5] is True else (1,)
+    for m in rows:
+        x, r = (torch.randn(m, k, device=DEV).bfloat16() for _ in range(2))
+        g = (1 + 0.5 * torch.randn(k, device=DEV)).bfloat16()
+        h, res = norm.fused_add_rms_norm_torch(x, r, g, 1e-5)
+        y, r_out = gemv_w4.packed_gemv(x, pw, None, cfg, ADD_NORM, r, g, 1e-5)
+        # (the interpreter's rounding to bf16 is not the GPU's, nor torch's, to the bit)
+        assert torch.equal(r_out, res) if CUDA else rel_err(r_out, res) < 1e-2
+        assert rel_err(y, gemv_w4.packed_gemv(h, pw, None, cfg)) < 1e-2, m
+        assert torch.equal(gemv_w4.packed_gemv(x, pw, None, cfg, ADD_NORM, r, g, 1e-5)[0], y)
+        y = gemv_w4.packed_gemv(x, pw, None, cfg, NORM, None, g, 1e-5)
+        h = norm.rms_norm_torch(x, g, 1e-5)
+        assert rel_err(y, gemv_w4.packed_gemv(h, pw, None, cfg)) < 1e-2, m
+        gate_up = torch.randn(m, 2 * k, device=DEV).bfloat16()
+        y = gemv_w4.packed_gemv(gate_up, pw, None, cfg, SILU_MUL)
+        assert rel_err(y, gemv_w4.packed_gemv(activation.silu_and_mul_torch(gate_up), pw, None,
+                                              cfg)) < 1e-2, m
+    _, counts = gemv_w4._SPLIT_K[x.device]
+    assert not counts.any(), "a tile's count of finished splits was left behind"
 
 
 @pytest.mark.skipif(not CUDA, reason="the choice is timed on the device")

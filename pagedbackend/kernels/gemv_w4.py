@@ -417,17 +417,36 @@ def split_k_sum(part, ws_ptr, cnt_ptr, tile, ks, mn, ok, MN, KSPLIT: tl.constexp
 
 
 @triton.jit
+def _split_input(x_rows, r_rows, r_out_rows, g_ptr, xs_rows, k_lo, k_len, store_ok, m_ok, K,
+                 BLOCK_M: tl.constexpr, PROLOGUE: tl.constexpr, CHUNK: tl.constexpr):
+    """A split-K program's prologue: its input columns k_lo .. k_lo + k_len through
+    _input_tile (RMSNorm's weight, the residual sum, which the programs of N tile 0 write,
+    or SiLU(gate) * up), rounded to the activation dtype into the scratch rows xs_rows.
+    Returns the rows' sums of squares over those columns (the norms' share of this split).
+    Every program of a split writes the same values to the same place."""
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_end = k_lo + k_len
+    for c in range(k_lo, k_end, CHUNK):
+        k = c + tl.arange(0, CHUNK)
+        ok = m_ok & (k < k_end)[None, :]
+        xf, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, ok, K, True,
+                             PROLOGUE)
+        ss += sq
+        tl.store(xs_rows + k[None, :], xf.to(xs_rows.dtype.element_ty), mask=ok)
+    return ss
+
+
+@triton.jit
 def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps,
-                        ws_ptr, cnt_ptr, M, N, K, stride_q, stride_xm, stride_ym, stride_rm,
+                        ws_ptr, cnt_ptr, xs_ptr, ss_ptr, M, N, K, stride_q, stride_xm, stride_ym, stride_rm,
                         stride_rom, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, KSPLIT: tl.constexpr,
                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr,
                         prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                        PIPE: tl.constexpr):
+                        PIPE: tl.constexpr, IN_CHUNK: tl.constexpr):
     pid = tl.program_id(0)
-    # split-K (KSPLIT > 1: one row tile, no prologue): program (pid, ks) sums K / KSPLIT
-    # columns, from ks * K / KSPLIT
+    # split-K (KSPLIT > 1): program (pid, ks) sums K / KSPLIT columns, from ks * K / KSPLIT
     ks = tl.program_id(2)
     k_len = K // KSPLIT
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -468,6 +487,18 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         k_lo = tl.multiple_of(ks * k_len, BLOCK_K)
     else:
         k_lo = 0
+    # split-K with a prologue: each program first turns its own K / KSPLIT input columns into
+    # the matmul's input (_split_input) in the scratch row xs, which the loop below then reads
+    # as it reads a plain input; the norms' 1/rms waits for the last split (every split's sum
+    # of squares). The loop's own prologue serves the tiles over the whole K.
+    SPLIT_IN: tl.constexpr = KSPLIT > 1 and PROLOGUE != 0
+    if SPLIT_IN:
+        xs_rows = xs_ptr + m.to(tl.int64)[:, None] * K
+        ss = _split_input(x_rows, r_rows, r_out_rows, g_ptr, xs_rows, k_lo, k_len, store_ok,
+                          m_ok, K, BLOCK_M, PROLOGUE, IN_CHUNK)
+        tl.debug_barrier()      # the program's own scratch writes, before any thread reads
+        x_ptr, x_rows = xs_ptr, xs_rows
+    LOOP_PROLOGUE: tl.constexpr = 0 if SPLIT_IN else PROLOGUE
     # WORDS of one or two pieces an iteration, not pipelined by the compiler: loads ahead
     WORDS_AHEAD: tl.constexpr = SPLIT == 3 and BLOCK_K <= 2 * SUB_K and PIPE is None
     if WORDS_AHEAD:
@@ -481,13 +512,13 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         for k0 in tl.range(k_lo, k_lo + k_len, BLOCK_K, num_stages=PIPE):
             for i in tl.static_range(BLOCK_K // SUB_K):
                 kk = tl.multiple_of(k0 + i * SUB_K, SUB_K)
-                if SPLIT == 3:     # WORDS: one row, no prologue (WORDS_CANDIDATES)
+                if SPLIT == 3:     # WORDS: one row, no prologue in the loop (WORDS_CANDIDATES)
                     w, s, z = _words_load(q_rows.to(tl.pointer_type(tl.int32)), s_ptr, z_ptr,
                                           n, n_ok[:, None], N, kk, K, GROUP, SUB_K,
                                           False)
                     acc1 = _words_step(acc1, w, x_ptr, kk, z, s, SUB_K,
                                        x_ptr.dtype.element_ty == tl.bfloat16)
-                elif SPLIT == 2:     # HALF: one row, no prologue (HALF_CANDIDATES)
+                elif SPLIT == 2:     # HALF: the same (HALF_CANDIDATES)
                     b, s, z = _codes_piece(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, SUB_K)
                     xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok, other=0.0)
                     xe, xo = (xc.to(tl.float32) * HALF_DOWN).reshape(BLOCK_M, SUB_K // 2, 2).split()
@@ -499,16 +530,16 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                     # whole and split in registers, which compiled to fewer instructions than two
                     # loads of stride 2 (one load instruction a column)
                     k = kk + 2 * tl.arange(0, SUB_K // 2)
-                    if PROLOGUE == 0:
+                    if LOOP_PROLOGUE == 0:
                         xc = tl.load(x_rows + kk + tl.arange(0, SUB_K)[None, :], mask=m_ok,
                                      other=0.0)
                         xe, xo = xc.to(tl.float32).reshape(BLOCK_M, SUB_K // 2, 2).split()
                     else:
                         xe, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok,
-                                             K, True, PROLOGUE)
+                                             K, True, LOOP_PROLOGUE)
                         xo, sq1 = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k + 1, store_ok,
-                                              m_ok, K, True, PROLOGUE)
-                        if PROLOGUE == 1 or PROLOGUE == 2:
+                                              m_ok, K, True, LOOP_PROLOGUE)
+                        if LOOP_PROLOGUE == 1 or LOOP_PROLOGUE == 2:
                             ss += sq + sq1
                     # the scale once per pair of weights: (x_even (q - z) + x_odd (q - z)) * s
                     if BLOCK_M == 1:
@@ -520,12 +551,12 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                     w = _codes_tile(q_rows, n_ok, kk, s_ptr, z_ptr, n, N, GROUP, BITS, BLOCK_N,
                                     SUB_K)
                     k = kk + tl.arange(0, SUB_K)
-                    if PROLOGUE == 0:
+                    if LOOP_PROLOGUE == 0:
                         x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
                     else:
                         x, sq = _input_tile(x_rows, r_rows, r_out_rows, g_ptr, k, store_ok, m_ok, K,
-                                            True, PROLOGUE)
-                        if PROLOGUE == 1 or PROLOGUE == 2:
+                                            True, LOOP_PROLOGUE)
+                        if LOOP_PROLOGUE == 1 or LOOP_PROLOGUE == 2:
                             ss += sq
                     if USE_DOT:
                         xd = x.to(y_ptr.dtype.element_ty)
@@ -544,14 +575,22 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         y = tl.sum(acc1, axis=1)[None, :]
     else:
         y = tl.sum(acc3, axis=2)
-    if PROLOGUE == 1 or PROLOGUE == 2:
+    NORMED: tl.constexpr = PROLOGUE == 1 or PROLOGUE == 2
+    if NORMED and KSPLIT == 1:
         y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     ok = m_ok & n_ok[None, :]
     last = True
     if KSPLIT > 1:
+        if NORMED:      # the split's sum of squares (every program of split ks writes the same)
+            tl.store(ss_ptr + ks * BLOCK_M + m, ss)
         y, last = split_k_sum(y, ws_ptr, cnt_ptr, pid, ks, m[:, None] * N + n[None, :], ok,
                               M * N, KSPLIT)
     if last:
+        if NORMED and KSPLIT > 1:       # every split's share, written before its release
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for j in tl.static_range(KSPLIT):
+                ss += tl.load(ss_ptr + j * BLOCK_M + m, cache_modifier=".cg")
+            y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
         if HAS_BIAS:
             y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
@@ -782,6 +821,25 @@ def _split_k_buffers(device: torch.device, sums: int, tiles: int):
     return have
 
 
+# device -> fp32 scratch of the split-K tiles' prologues: the splits' sums of squares (8 rows x
+# 8 splits at most), then the 16-bit input rows they write (_split_input); grown and kept as
+# _SPLIT_K's buffers are
+_PROLOGUE: dict[torch.device, torch.Tensor] = {}
+_SQUARES = MAX_ROWS * 8
+
+
+def _prologue_buffers(device: torch.device, dtype: torch.dtype, inputs: int):
+    """(the 16-bit scratch rows, the fp32 sums of squares) for a split-K tile's prologue."""
+    have = _PROLOGUE.get(device)
+    words = _SQUARES + (inputs + 1) // 2
+    if have is None or have.numel() < words:
+        if have is not None:
+            _OUTGROWN.append((have, have))
+        have = _PROLOGUE[device] = torch.empty(max(words, 0 if have is None else have.numel()),
+                                               dtype=torch.float32, device=device)
+    return have[_SQUARES:].view(dtype), have[:_SQUARES]
+
+
 def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
                 prologue: int = PLAIN, residual: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0):
@@ -801,17 +859,17 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     # num_stages (PIPE_CANDIDATES)
     split = int(dot[1]) if not use_dot and len(dot) > 1 else 0
     ksplit = int(dot[2]) if not use_dot and len(dot) > 2 else 1
-    assert ksplit == 1 or prologue == PLAIN and m <= MAX_ROWS and k % (ksplit * pw.group_size) \
-        == 0, f"split-K tile {config} takes no prologue, <= {MAX_ROWS} rows and whole groups " \
-        f"per split, not prologue {prologue}, {m} rows, K {k}, group {pw.group_size}"
+    assert ksplit == 1 or k % (ksplit * pw.group_size) == 0, f"split-K tile {config} takes " \
+        f"whole groups per split, not K {k} of group {pw.group_size}"
     assert 1 <= m <= MAX_ROWS and x.stride(1) == 1 and pw.g_idx is None
     assert x.shape[1] == (2 * k if prologue == SILU_MUL else k)
     assert not split or pw.bits == 4, f"SPLIT tiles read 4-bit codes, not {pw.bits}-bit"
-    assert split < 2 or m == 1 and prologue == PLAIN and x.dtype != torch.float32 \
-        and half_fits(config, pw.group_size, pw.qweight.stride(0)), f"HALF / WORDS tile " \
-        f"{config} takes one 16-bit row, no prologue and 8 / 16 code bytes a thread, not {m} " \
-        f"rows of {x.dtype}, prologue {prologue}, group {pw.group_size}, " \
-        f"{pw.qweight.stride(0)} code bytes a row"
+    # (a split-K tile runs its prologue before its loop, _split_input; the others in it)
+    assert split < 2 or m == 1 and (prologue == PLAIN or ksplit > 1) \
+        and x.dtype != torch.float32 and half_fits(config, pw.group_size, pw.qweight.stride(0)), \
+        f"HALF / WORDS tile {config} takes one 16-bit row, a prologue only when it splits K " \
+        f"and 8 / 16 code bytes a thread, not {m} rows of {x.dtype}, prologue {prologue}, " \
+        f"group {pw.group_size}, {pw.qweight.stride(0)} code bytes a row"
     if split == 3 and x.data_ptr() % 16:    # WORDS reads the input in 8-byte loads
         x = x.clone()
     block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
@@ -829,16 +887,22 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     # sized for MAX_ROWS at once: a graph captured later at more rows needs no new buffer
     ws, counts = _split_k_buffers(x.device, ksplit * MAX_ROWS * n, tiles) if ksplit > 1 \
         else (y, y)
+    xs, ss, chunk = y, ws, 1
+    if ksplit > 1 and prologue != PLAIN:
+        assert ksplit * block_m <= _SQUARES, f"{ksplit} splits of {block_m} rows"
+        xs, ss = _prologue_buffers(x.device, x.dtype, m * k)
+        chunk = min(triton.next_power_of_2(k // ksplit), 2048 // block_m)
     _packed_gemv_kernel[(tiles, 1, ksplit)](
         x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, r, r_out,
-        norm_weight if norm_weight is not None else y, eps, ws, counts, m, n, k,
+        norm_weight if norm_weight is not None else y, eps, ws, counts, xs, ss, m, n, k,
         pw.qweight.stride(0), x.stride(0), y.stride(0), r.stride(0), r_out.stride(0),
         GROUP=pw.group_size,
         BITS=pw.bits, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=split, KSPLIT=ksplit,
         USE_DOT=use_dot,
         PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
-        PREFETCH=pf > 0, PIPE=pipe_stages(config), num_warps=warps, num_stages=stages,
+        PREFETCH=pf > 0, PIPE=pipe_stages(config), IN_CHUNK=chunk, num_warps=warps,
+        num_stages=stages,
         **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
 

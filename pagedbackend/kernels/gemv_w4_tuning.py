@@ -161,9 +161,9 @@ def _tune(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
         what, baseline = "plain", lambda: F.linear(xs, pw.dequantize(dt), bias)
         kernel = lambda cfg: packed_gemv(xs, pw, bias, cfg)        # noqa: E731
         tiles = _tiles(rows, pw, dt)
-    else:       # HALF and split-K tiles take no prologue
+    else:       # HALF and WORDS tiles take a prologue only where they split K
         tiles = [c for c in _RANKED.get(_key(x, pw, PLAIN), [])
-                 if len(c) < 6 or c[5] in (False, True) and len(c) < 7][:FUSED_TRIES]
+                 if len(c) != 6 or c[5] in (False, True)][:FUSED_TRIES]
         if prologue == SILU_MUL:
             what, baseline = "silu_mul+", lambda: matmul(silu_and_mul(gu))
             kernel = lambda cfg: packed_gemv(gu, pw, None, cfg, SILU_MUL)       # noqa: E731
