@@ -142,6 +142,11 @@ for s in $stages; do
     # W1 AWQ in fp16 alone (one engine's tuning, ~4 min; the goal's figure on an H200)
     w1awq16) run w1awq16 300 python3 perf/w1_decode.py --quantization awq --dtype float16 \
                --suffix awq-fp16 ;;
+    # the same, then without PDL, each profiled (under PDL the kernels' times overlap, call
+    # 83): where a step's time outside the 4-bit matmuls goes; after w1awq16 on the same
+    # machine the tuning comes from .tuning-cache, ~4 min
+    w1awq16prof) run w1awq16prof 330 python3 perf/w1_decode.py --quantization awq \
+                   --dtype float16 --ab nopdl --profile --suffix awq-fp16 ;;
     # every WORDS tile against the HALF tiles at one row, fp16 and bf16 inputs (after "splitk",
     # their GPU parity), ~2 min
     w4words) run w4words 240 python3 perf/kernels_bench.py --only w4words ;;
