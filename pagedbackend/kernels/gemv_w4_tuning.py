@@ -186,8 +186,9 @@ def _tune(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
     best, best_us = None, base
     if timed and timed[0][0] < base:
         best_us, best = timed[0]
-    logger.info("W%dA16 %s rows<=%d N=%d K=%d group %d: %s %.1f us, %s", pw.bits, what, rows,
-                n, k, pw.group_size, "dequantize + cuBLAS" if prologue == PLAIN
-                else "separate kernel + the plain choice", base,
-                f"triton {best} {best_us:.1f} us (chosen)" if best else "kept")
+    logger.info("W%dA16 %s rows<=%d N=%d K=%d group %d: %s %.1f us, %s; fastest tiles: %s",
+                pw.bits, what, rows, n, k, pw.group_size, "dequantize + cuBLAS"
+                if prologue == PLAIN else "separate kernel + the plain choice", base,
+                f"triton {best} {best_us:.1f} us (chosen)" if best else "kept",
+                ", ".join(f"{cfg} {us:.1f}" for us, cfg in timed[:4]) or "none")
     return best
