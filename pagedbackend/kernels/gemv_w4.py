@@ -537,8 +537,9 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
             for i in tl.static_range(BLOCK_K // SUB_K):
                 kk = tl.multiple_of(k0 + i * SUB_K, SUB_K)
                 if SPLIT == 3 and TMA:      # WORDS by TMA (TMA_CANDIDATES)
-                    w, s, z = _words_tma(q_desc, s_desc, z_desc, pid * BLOCK_N, kk, GROUP,
-                                         BLOCK_N)
+                    _, s, z = _words_load(q_rows.to(tl.pointer_type(tl.int32)), s_ptr, z_ptr,
+                                          n, n_ok[:, None], N, kk, K, GROUP, SUB_K, False)
+                    w = q_desc.load([pid * BLOCK_N, kk // 8])
                     acc1 = _words_step(acc1, w, x_ptr, kk, z, s, SUB_K,
                                        x_ptr.dtype.element_ty == tl.bfloat16)
                 elif SPLIT == 3:     # WORDS: one row, no prologue in the loop (WORDS_CANDIDATES)
