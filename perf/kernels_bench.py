@@ -11,7 +11,6 @@ lengths (W5's steps): grid order vs longest first, splits, stages. The table com
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -508,14 +507,11 @@ def bench_w4_words():
             def run(cfg):
                 return gemv_w4.packed_gemv(x, pw, None, cfg)
 
-            def tiles(split):       # the TMA tiles (WORDS) where asked for, as the tuner
-                tma = gemv_w4.TMA_CANDIDATES if os.environ.get("PAGEDBACKEND_W4_TMA") == "1" \
-                    else ()
+            def tiles(split):
                 return [c for c in gemv_w4.HALF_CANDIDATES + gemv_w4.WORDS_CANDIDATES
-                        + gemv_w4.KSPLIT_CANDIDATES + gemv_w4.PIPE_CANDIDATES + tma
-                        if c[5] == split and (len(c) < 7 or k % (c[6] * 128) == 0)
-                        and gemv_w4.half_fits(c, 128, pw.qweight.stride(0))
-                        and (not gemv_w4.is_tma(c) or gemv_w4.tma_fits(c, pw))]
+                        + gemv_w4.KSPLIT_CANDIDATES + gemv_w4.PIPE_CANDIDATES if c[5] == split
+                        and (len(c) < 7 or k % (c[6] * 128) == 0)
+                        and gemv_w4.half_fits(c, 128, pw.qweight.stride(0))]
             label = f"w4words {str(dt)[6:]} {name}"
             half = _best_tile(tiles(2), run, ref, label, tbs)
             words = _best_tile(tiles(3), run, ref, label, tbs)

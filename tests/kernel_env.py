@@ -34,7 +34,7 @@ def sm90_tool(kernel, const, ptrs, warps, stages, tool, *flags):
     sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "eps" else "i32")
            for n in names}
     aligned = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
-               if ptrs.get(n, "").startswith("*") or n.startswith("stride") or n in ("N", "K")}
+               if n in ptrs or n.startswith("stride") or n in ("N", "K")}
     compiled = triton.compile(ASTSource(kernel, sig, const, aligned),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})

@@ -160,13 +160,9 @@ def test_half_tiles_are_one_16_bit_row_with_8_bytes_a_thread():
                                  (128, 256, 4, 3, False, 3, 4), (32, 128, 2, 3, False, 3, 2),
                                  (16, 1024, 4, 3, False, True, 2), (8, 128, 2, 3, False, True, 4),
                                  (16, 64, 2, 4, False, 0, 2), (32, 128, 2, 4, False, 3, 2, True),
-                                 (16, 128, 2, 3, False, 2, 2, True),
-                                 (32, 128, 1, 4, False, 3, 2, "tma")]
-                         + [c for c in gemv_w4.TMA_CANDIDATES if CUDA and c[6] in (2, 8)],
+                                 (16, 128, 2, 3, False, 2, 2, True)],
                          ids=["half4", "half2_loop", "words4", "words2_loop", "split2",
-                              "split4_loop", "byte2", "words2_pipe", "half2_pipe", "words2_tma"]
-                         + [f"tma_{c[0]}_{c[1]}_{c[3]}_{c[6]}" for c in gemv_w4.TMA_CANDIDATES
-                            if CUDA and c[6] in (2, 8)])
+                              "split4_loop", "byte2", "words2_pipe", "half2_pipe"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_split_k_tiles_match_dequantize_then_matmul(cfg, dtype):
     """K split over programs whose last adds the fp32 sums: one row, with and without a bias,
@@ -253,30 +249,26 @@ def packed_tool(cfg, dt, ksplit, group, block_m, tool, *flags, prologue=0):
     const = dict(GROUP=group, BITS=4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                  SUB_K=sub_k, HAS_BIAS=False, SPLIT=split, KSPLIT=ksplit, USE_DOT=use_dot,
                  PRECISION="tf32", PROLOGUE=prologue, USE_PDL=True, PREFETCH=True,
-                 PIPE=gemv_w4.pipe_stages(cfg), IN_CHUNK=512 if prologue else 1,
-                 TMA=gemv_w4.is_tma(cfg))
+                 PIPE=gemv_w4.pipe_stages(cfg), IN_CHUNK=512 if prologue else 1)
     ptrs = {n: "*" + dt for n in ("x_ptr", "b_ptr", "y_ptr", "r_ptr", "r_out_ptr", "g_ptr",
                                   "xs_ptr")}
     ptrs.update(q_ptr="*u8", s_ptr="*fp16", z_ptr="*u8", ws_ptr="*fp32", cnt_ptr="*i32",
                 ss_ptr="*fp32")
-    if gemv_w4.is_tma(cfg):
-        ptrs.update(q_desc=f"tensordesc<i32[{block_n}, {sub_k // 8}]>",
-                    s_desc=f"tensordesc<fp16[1, {block_n}]>", z_desc=f"tensordesc<u8[1, {block_n}]>")
     return sm90_tool(gemv_w4._packed_gemv_kernel, const, ptrs, warps, stages, tool, *flags)
 """
 # compiled for sm_90 by compiled_for_hopper; prints each one-row WORDS / HALF tile's registers
-# and its SASS counts of lop3, fp16-pair FMAs, cp.async (LDGSTS) and TMA copies (UTMALDG); a
-# tile is an index into WORDS_CANDIDATES + PIPE_CANDIDATES + TMA_CANDIDATES
+# and its SASS counts of lop3, fp16-pair FMAs and cp.async (LDGSTS); a tile is an index into
+# WORDS_CANDIDATES + PIPE_CANDIDATES
 HOPPER_WORDS = PACKED_SM90 + """
 for arg in sys.argv[1:]:
     i, dt, ksplit, group, prologue = (arg + ":128:0").split(":")[:5]
-    cfg = (gemv_w4.WORDS_CANDIDATES + gemv_w4.PIPE_CANDIDATES + gemv_w4.TMA_CANDIDATES)[int(i)]
+    cfg = (gemv_w4.WORDS_CANDIDATES + gemv_w4.PIPE_CANDIDATES)[int(i)]
     usage = packed_tool(cfg, dt, int(ksplit), int(group), 1, "cuobjdump",
                         "--dump-resource-usage", prologue=int(prologue))
     sass = packed_tool(cfg, dt, int(ksplit), int(group), 1, "nvdisasm", "-c",
                        prologue=int(prologue))
     print(arg, re.search(r"REG:(\\d+)", usage).group(1), sass.count("LOP3.LUT"),
-          sass.count("HFMA2"), sass.count("LDGSTS"), sass.count("UTMALDG"))
+          sass.count("HFMA2"), sass.count("LDGSTS"))
 """
 
 
@@ -292,9 +284,9 @@ def test_words_tiles_compile_for_hopper():
     args = [f"{ahead}:fp16:1", f"{ahead}:bf16:4", f"{pieces}:fp16:2", f"{pieces}:bf16:1",
             f"{pieces}:fp16:1:64"]
     out = compiled_for_hopper(HOPPER_WORDS, *args).split()
-    got = {out[j]: tuple(map(int, out[j + 1:j + 6])) for j in range(0, len(out), 6)}
+    got = {out[j]: tuple(map(int, out[j + 1:j + 5])) for j in range(0, len(out), 5)}
     assert set(got) == set(args), out
-    for arg, (regs, lop3, hfma2, cp_async, tma) in got.items():
+    for arg, (regs, lop3, hfma2, cp_async) in got.items():
         assert regs <= 128 and lop3 >= 16 and hfma2 >= 32 and cp_async == 0, (arg, got)
 
 
@@ -307,9 +299,9 @@ def test_pipelined_tiles_load_through_cp_async():
     args = [f"{n_words + i}:{dt}:{c[6]}" for i, c in enumerate(gemv_w4.PIPE_CANDIDATES)
             for dt in ("fp16", "bf16")]
     out = compiled_for_hopper(HOPPER_WORDS, *args).split()
-    got = {out[j]: tuple(map(int, out[j + 1:j + 6])) for j in range(0, len(out), 6)}
+    got = {out[j]: tuple(map(int, out[j + 1:j + 5])) for j in range(0, len(out), 5)}
     assert set(got) == set(args), out
-    for arg, (regs, lop3, hfma2, cp_async, tma) in got.items():
+    for arg, (regs, lop3, hfma2, cp_async) in got.items():
         assert cp_async > 0 and regs <= 128, (arg, got)
 
 
@@ -325,27 +317,11 @@ def test_split_k_words_tiles_with_a_prologue_compile_for_hopper():
     args = [f"{two}:bf16:2:128:2", f"{two}:fp16:8:128:1", f"{two}:bf16:4:128:3",
             f"{pipe}:fp16:4:128:2"]
     out = compiled_for_hopper(HOPPER_WORDS, *args).split()
-    got = {out[j]: tuple(map(int, out[j + 1:j + 6])) for j in range(0, len(out), 6)}
+    got = {out[j]: tuple(map(int, out[j + 1:j + 5])) for j in range(0, len(out), 5)}
     assert set(got) == set(args), out
-    for arg, (regs, lop3, hfma2, cp_async, tma) in got.items():
+    for arg, (regs, lop3, hfma2, cp_async) in got.items():
         assert regs <= 128 and lop3 >= 16 and hfma2 >= 32, (arg, got)
         assert (cp_async > 0) == arg.startswith(f"{pipe}:"), (arg, got)
-
-
-@pytest.mark.skipif(CUDA, reason="compiled for sm_90 on a machine without a GPU")
-def test_tma_tiles_copy_by_tma():
-    """TMA_CANDIDATES compile for sm_90 to TMA copies (UTMALDG) of their codes, scales and zero
-    points, pipelined (a copy per stage ahead, and the loop's), bf16 and fp16, with a prologue
-    too, at most 128 registers a thread; the WORDS tiles without it use none."""
-    base = len(gemv_w4.WORDS_CANDIDATES) + len(gemv_w4.PIPE_CANDIDATES)
-    args = [f"{base + i}:{dt}:{c[6]}" for i, c in enumerate(gemv_w4.TMA_CANDIDATES)
-            for dt in ("fp16", "bf16")] + [f"{base}:bf16:4:128:2", "0:fp16:2"]
-    out = compiled_for_hopper(HOPPER_WORDS, *args).split()
-    got = {out[j]: tuple(map(int, out[j + 1:j + 6])) for j in range(0, len(out), 6)}
-    assert set(got) == set(args), out
-    for arg, (regs, lop3, hfma2, cp_async, tma) in got.items():
-        assert regs <= 128 and hfma2 >= 32, (arg, got)
-        assert (tma >= 3 * 2) == (arg != "0:fp16:2"), (arg, got)
 
 
 # compiled for sm_90: each DOT_CANDIDATES tile at 8 rows, its count of cp.async (LDGSTS)
@@ -478,12 +454,11 @@ def test_packed_gemv_prologues(cfg):
 
 
 @pytest.mark.parametrize("cfg", [(32, 128, 2, 3, False, 3, 2), (16, 128, 2, 3, False, 2, 4),
-                                 (8, 128, 2, 3, False, True, 8), (32, 128, 2, 4, False, 3, 4, True),
-                                 (32, 128, 1, 4, False, 3, 4, "tma")]
-                         + ([gemv_w4.KSPLIT_CANDIDATES[3], gemv_w4.PIPE_CANDIDATES[1],
-                             gemv_w4.TMA_CANDIDATES[1]] if CUDA else []),
-                         ids=["words2", "half4", "split8", "words4_pipe", "words4_tma"]
-                         + (["words8_real", "pipe8_real", "tma8_real"] if CUDA else []))
+                                 (8, 128, 2, 3, False, True, 8), (32, 128, 2, 4, False, 3, 4, True)]
+                         + ([gemv_w4.KSPLIT_CANDIDATES[3], gemv_w4.PIPE_CANDIDATES[1]] if CUDA
+                            else []),
+                         ids=["words2", "half4", "split8", "words4_pipe"]
+                         + (["words8_real", "pipe8_real"] if CUDA else []))
 def test_split_k_prologues(cfg):
     """The prologues in a split-K tile (each split turns its own columns of the input into the
     matmul's, _split_input; the norms' 1/rms from every split's sum of squares): residual add

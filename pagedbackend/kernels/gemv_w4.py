@@ -68,18 +68,6 @@ KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
 PIPE_CANDIDATES = ((64, 128, 4, 4, False, 3, 4, True), (64, 128, 4, 4, False, 3, 8, True),
                    (64, 128, 4, 6, False, 3, 4, True), (64, 256, 4, 4, False, 3, 2, True),
                    (64, 256, 4, 4, False, 2, 2, True), (64, 256, 4, 4, False, 2, 8, True))
-# one row, split-K WORDS tiles whose code words, scales and zero points come by the tensor
-# memory accelerator (an eighth element "tma": host-made descriptors, tma_fits), pipelined by
-# the compiler num_stages - 1 iterations ahead through shared memory with one thread issuing
-# each copy: the bytes in flight of PIPE_CANDIDATES without a load instruction per 16 bytes.
-# Compiled for sm_90 by triton 3.9 (UTMALDG); not run on a GPU yet, so the tuner tries them
-# only with PAGEDBACKEND_W4_TMA=1.
-# BLOCK_N is 32 x num_warps: compiled so (triton 3.9), a thread holds one row's words of a
-# piece (the four words of one row _words_step takes), where 64 rows over 4 warps held each
-# row in two threads, the work done twice.
-TMA_CANDIDATES = ((64, 128, 2, 4, False, 3, 4, "tma"), (64, 128, 2, 4, False, 3, 8, "tma"),
-                  (64, 128, 2, 6, False, 3, 8, "tma"), (128, 128, 4, 4, False, 3, 4, "tma"),
-                  (128, 128, 4, 4, False, 3, 2, "tma"), (128, 128, 4, 6, False, 3, 8, "tma"))
 # wider steps: swap-AB GEMM tiles ("t", BLOCK_N, BLOCK_M, SUB_K, num_warps, num_stages, SPLIT),
 # timed per rows bucket against dequantize + cuBLAS. The weight tile is the dot's first operand,
 # acc[BLOCK_N, BLOCK_M] = W x^T, so the dequantized codes feed the tensor cores from registers
@@ -375,18 +363,6 @@ def _words_load(q32_rows, s_ptr, z_ptr, n, ok, N, k0, k_end, GROUP: tl.constexpr
 
 
 @triton.jit
-def _words_tma(q_desc, s_desc, z_desc, n0, k0, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """_words_load's (w, s, z) for rows n0 .. n0 + BLOCK_N at input columns k0.. through the
-    tensor descriptors of the code words (int32 [N, K / 8], block [BLOCK_N, SUB_K / 8]), the
-    scales and the zero points ([G, N], block [1, BLOCK_N]); rows past N read as 0."""
-    w = q_desc.load([n0, k0 // 8])
-    g = k0 // GROUP
-    s = s_desc.load([g, n0]).reshape(BLOCK_N, 1).to(tl.float32)
-    z = z_desc.load([g, n0]).reshape(BLOCK_N, 1).to(tl.float32)
-    return w, s, z
-
-
-@triton.jit
 def _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                BF16: tl.constexpr):
@@ -462,13 +438,13 @@ def _split_input(x_rows, r_rows, r_out_rows, g_ptr, xs_rows, k_lo, k_len, store_
 
 @triton.jit
 def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps,
-                        ws_ptr, cnt_ptr, xs_ptr, ss_ptr, q_desc, s_desc, z_desc, M, N, K, stride_q, stride_xm, stride_ym, stride_rm,
+                        ws_ptr, cnt_ptr, xs_ptr, ss_ptr, M, N, K, stride_q, stride_xm, stride_ym, stride_rm,
                         stride_rom, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, KSPLIT: tl.constexpr,
                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr,
                         prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                        PIPE: tl.constexpr, IN_CHUNK: tl.constexpr, TMA: tl.constexpr):
+                        PIPE: tl.constexpr, IN_CHUNK: tl.constexpr):
     pid = tl.program_id(0)
     # split-K (KSPLIT > 1): program (pid, ks) sums K / KSPLIT columns, from ks * K / KSPLIT
     ks = tl.program_id(2)
@@ -536,13 +512,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         for k0 in tl.range(k_lo, k_lo + k_len, BLOCK_K, num_stages=PIPE):
             for i in tl.static_range(BLOCK_K // SUB_K):
                 kk = tl.multiple_of(k0 + i * SUB_K, SUB_K)
-                if SPLIT == 3 and TMA:      # WORDS by TMA (TMA_CANDIDATES)
-                    _, s, z = _words_load(q_rows.to(tl.pointer_type(tl.int32)), s_ptr, z_ptr,
-                                          n, n_ok[:, None], N, kk, K, GROUP, SUB_K, False)
-                    w = q_desc.load([pid * BLOCK_N, kk // 8])
-                    acc1 = _words_step(acc1, w, x_ptr, kk, z, s, SUB_K,
-                                       x_ptr.dtype.element_ty == tl.bfloat16)
-                elif SPLIT == 3:     # WORDS: one row, no prologue in the loop (WORDS_CANDIDATES)
+                if SPLIT == 3:     # WORDS: one row, no prologue in the loop (WORDS_CANDIDATES)
                     w, s, z = _words_load(q_rows.to(tl.pointer_type(tl.int32)), s_ptr, z_ptr,
                                           n, n_ok[:, None], N, kk, K, GROUP, SUB_K,
                                           False)
@@ -749,33 +719,6 @@ def _dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, BITS:
              mask=n_ok[:, None])
 
 
-def is_tma(config: tuple) -> bool:
-    """Whether a tile is one of TMA_CANDIDATES."""
-    return len(config) > 7 and config[7] == "tma"
-
-
-def tma_fits(config: tuple, pw) -> bool:
-    """Whether TMA tile `config` serves PackedWeight pw: a row of rows a thread (BLOCK_N 32 x
-    num_warps), and tiles the tensor memory accelerator can copy (16-byte aligned starts and
-    row strides, at least 16 bytes a copied row)."""
-    n, k = pw.shape
-    block_n, block_k, warps = config[:3]
-    sub_k = _block_k(block_k, pw.group_size)
-    return block_n == 32 * warps and pw.bits == 4 and pw.qweight.is_contiguous() \
-        and pw.scales.is_contiguous() \
-        and pw.zeros.is_contiguous() and (k // 2) % 16 == 0 \
-        and n * pw.scales.element_size() % 16 == 0 and n * pw.zeros.element_size() % 16 == 0 \
-        and sub_k // 8 * 4 >= 16 and block_n * pw.zeros.element_size() >= 16 \
-        and all(t.data_ptr() % 16 == 0 for t in (pw.qweight, pw.scales, pw.zeros))
-
-
-def _tma_descriptors(pw, block_n: int, sub_k: int) -> tuple:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    return (TensorDescriptor.from_tensor(pw.qweight.view(torch.int32), [block_n, sub_k // 8]),
-            TensorDescriptor.from_tensor(pw.scales, [1, block_n]),
-            TensorDescriptor.from_tensor(pw.zeros, [1, block_n]))
-
-
 def pipe_stages(config: tuple) -> int | None:
     """The kernel's PIPE for a one-row-or-more tile: its num_stages for PIPE_CANDIDATES (an
     eighth element, True), else None (the loop a plain range: the launch's num_stages then
@@ -941,10 +884,6 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     pf = prefetch_programs(pw.qweight, block_n * pw.qweight.shape[1], prologue == PLAIN) \
         if n % block_n == 0 else 0
     tiles = triton.cdiv(n, block_n)
-    tma = is_tma(config)
-    assert not tma or split == 3 and tma_fits(config, pw), f"TMA tile {config}: WORDS, " \
-        f"BLOCK_N 32 x num_warps, 16-byte aligned rows of codes, scales and zero points"
-    descs = _tma_descriptors(pw, block_n, sub_k) if tma else (None, None, None)
     # sized for MAX_ROWS at once: a graph captured later at more rows needs no new buffer
     ws, counts = _split_k_buffers(x.device, ksplit * MAX_ROWS * n, tiles) if ksplit > 1 \
         else (y, y)
@@ -955,14 +894,14 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         chunk = min(triton.next_power_of_2(k // ksplit), 2048 // block_m)
     _packed_gemv_kernel[(tiles, 1, ksplit)](
         x, pw.qweight, pw.scales, pw.zeros, bias if bias is not None else y, y, r, r_out,
-        norm_weight if norm_weight is not None else y, eps, ws, counts, xs, ss, *descs, m, n, k,
+        norm_weight if norm_weight is not None else y, eps, ws, counts, xs, ss, m, n, k,
         pw.qweight.stride(0), x.stride(0), y.stride(0), r.stride(0), r_out.stride(0),
         GROUP=pw.group_size,
         BITS=pw.bits, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=split, KSPLIT=ksplit,
         USE_DOT=use_dot,
         PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
-        PREFETCH=pf > 0, PIPE=pipe_stages(config), IN_CHUNK=chunk, TMA=tma, num_warps=warps,
+        PREFETCH=pf > 0, PIPE=pipe_stages(config), IN_CHUNK=chunk, num_warps=warps,
         num_stages=stages,
         **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y

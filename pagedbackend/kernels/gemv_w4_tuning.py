@@ -14,7 +14,6 @@ separate compilation of every tile it tries).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +23,8 @@ from pagedbackend.kernels import tuning_cache
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL
 from pagedbackend.kernels.gemv_w4 import (CANDIDATES, DOT_CANDIDATES, HALF_CANDIDATES,
                                           KSPLIT_CANDIDATES, MAX_ROWS, PIPE_CANDIDATES,
-                                          SPLIT_CANDIDATES, SWAP_CANDIDATES, TMA_CANDIDATES,
-                                          WORDS_CANDIDATES, _block_k, half_fits, is_tma,
-                                          packed_gemv, tma_fits)
+                                          SPLIT_CANDIDATES, SWAP_CANDIDATES, WORDS_CANDIDATES,
+                                          _block_k, half_fits, packed_gemv)
 
 logger = logging.getLogger("pagedbackend")
 
@@ -103,8 +101,7 @@ def _config(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
         plain = _key(x, pw, PLAIN)
         sets = (CANDIDATES, DOT_CANDIDATES, SPLIT_CANDIDATES, HALF_CANDIDATES,
                 WORDS_CANDIDATES, KSPLIT_CANDIDATES, PIPE_CANDIDATES, SWAP_CANDIDATES,
-                FUSED_TRIES, TMA_CANDIDATES if os.environ.get("PAGEDBACKEND_W4_TMA") == "1"
-                else ())
+                FUSED_TRIES)
         if plain not in _CHOICE:
             def tune_plain():
                 return _tune(x, pw, bias, PLAIN), _RANKED.get(plain, [])
@@ -126,18 +123,15 @@ def _tiles(rows: int, pw, dtype: torch.dtype = torch.bfloat16) -> tuple:
         return tuple(c for c in SWAP_CANDIDATES if not c[6] or pw.bits == 4
                      and (c[6] != 2 or dtype != torch.float32))
     fma = CANDIDATES + (SPLIT_CANDIDATES if pw.bits == 4 else ())
-    # the TMA tiles only where asked for: not run on a GPU yet (gemv_w4.TMA_CANDIDATES)
-    tma = TMA_CANDIDATES if os.environ.get("PAGEDBACKEND_W4_TMA") == "1" else ()
     if rows == 1:
         half_ok = pw.bits == 4 and dtype != torch.float32
         row = pw.qweight.stride(0)
         half = tuple(c for c in HALF_CANDIDATES + WORDS_CANDIDATES
                      if half_fits(c, pw.group_size, row)) if half_ok else ()
         # split-K: whole groups per split, SPLIT / HALF / WORDS tiles as above
-        ksplit = tuple(c for c in KSPLIT_CANDIDATES + PIPE_CANDIDATES + tma
+        ksplit = tuple(c for c in KSPLIT_CANDIDATES + PIPE_CANDIDATES
                        if pw.bits == 4 and pw.shape[1] % (c[6] * pw.group_size) == 0
-                       and (c[5] is True or half_ok and half_fits(c, pw.group_size, row))
-                       and (not is_tma(c) or tma_fits(c, pw)))
+                       and (c[5] is True or half_ok and half_fits(c, pw.group_size, row)))
         return fma + half + ksplit
     return tuple(c for c in fma
                  if rows * c[0] * _block_k(c[1], pw.group_size) <= 64 * 32 * c[2]) \
