@@ -509,7 +509,7 @@ def bench_w4_words():
 
             def tiles(split):
                 return [c for c in gemv_w4.HALF_CANDIDATES + gemv_w4.WORDS_CANDIDATES
-                        + gemv_w4.KSPLIT_CANDIDATES + gemv_w4.PIPE_CANDIDATES if c[5] == split
+                        + gemv_w4.KSPLIT_CANDIDATES if c[5] == split
                         and (len(c) < 7 or k % (c[6] * 128) == 0)
                         and gemv_w4.half_fits(c, 128, pw.qweight.stride(0))]
             label = f"w4words {str(dt)[6:]} {name}"

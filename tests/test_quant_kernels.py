@@ -159,10 +159,9 @@ def test_half_tiles_are_one_16_bit_row_with_8_bytes_a_thread():
 @pytest.mark.parametrize("cfg", [(64, 256, 4, 3, False, 2, 4), (16, 128, 2, 3, False, 2, 2),
                                  (128, 256, 4, 3, False, 3, 4), (32, 128, 2, 3, False, 3, 2),
                                  (16, 1024, 4, 3, False, True, 2), (8, 128, 2, 3, False, True, 4),
-                                 (16, 64, 2, 4, False, 0, 2), (32, 128, 2, 4, False, 3, 2, True),
-                                 (16, 128, 2, 3, False, 2, 2, True)],
+                                 (16, 64, 2, 4, False, 0, 2)],
                          ids=["half4", "half2_loop", "words4", "words2_loop", "split2",
-                              "split4_loop", "byte2", "words2_pipe", "half2_pipe"])
+                              "split4_loop", "byte2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_split_k_tiles_match_dequantize_then_matmul(cfg, dtype):
     """K split over programs whose last adds the fp32 sums: one row, with and without a bias,
@@ -249,7 +248,7 @@ def packed_tool(cfg, dt, ksplit, group, block_m, tool, *flags, prologue=0):
     const = dict(GROUP=group, BITS=4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                  SUB_K=sub_k, HAS_BIAS=False, SPLIT=split, KSPLIT=ksplit, USE_DOT=use_dot,
                  PRECISION="tf32", PROLOGUE=prologue, USE_PDL=True, PREFETCH=True,
-                 PIPE=gemv_w4.pipe_stages(cfg), IN_CHUNK=512 if prologue else 1)
+                 IN_CHUNK=512 if prologue else 1)
     ptrs = {n: "*" + dt for n in ("x_ptr", "b_ptr", "y_ptr", "r_ptr", "r_out_ptr", "g_ptr",
                                   "xs_ptr")}
     ptrs.update(q_ptr="*u8", s_ptr="*fp16", z_ptr="*u8", ws_ptr="*fp32", cnt_ptr="*i32",
@@ -258,11 +257,11 @@ def packed_tool(cfg, dt, ksplit, group, block_m, tool, *flags, prologue=0):
 """
 # compiled for sm_90 by compiled_for_hopper; prints each one-row WORDS / HALF tile's registers
 # and its SASS counts of lop3, fp16-pair FMAs and cp.async (LDGSTS); a tile is an index into
-# WORDS_CANDIDATES + PIPE_CANDIDATES
+# WORDS_CANDIDATES
 HOPPER_WORDS = PACKED_SM90 + """
 for arg in sys.argv[1:]:
     i, dt, ksplit, group, prologue = (arg + ":128:0").split(":")[:5]
-    cfg = (gemv_w4.WORDS_CANDIDATES + gemv_w4.PIPE_CANDIDATES)[int(i)]
+    cfg = gemv_w4.WORDS_CANDIDATES[int(i)]
     usage = packed_tool(cfg, dt, int(ksplit), int(group), 1, "cuobjdump",
                         "--dump-resource-usage", prologue=int(prologue))
     sass = packed_tool(cfg, dt, int(ksplit), int(group), 1, "nvdisasm", "-c",
@@ -291,37 +290,17 @@ def test_words_tiles_compile_for_hopper():
 
 
 @pytest.mark.skipif(CUDA, reason="compiled for sm_90 on a machine without a GPU")
-def test_pipelined_tiles_load_through_cp_async():
-    """PIPE_CANDIDATES (WORDS and HALF tiles whose loop is tl.range(num_stages=...)) compile to
-    cp.async loads into shared memory, the point of them (the WORDS tiles with a plain range
-    compile to none, whatever num_stages the launch is given: the test above)."""
-    n_words = len(gemv_w4.WORDS_CANDIDATES)
-    args = [f"{n_words + i}:{dt}:{c[6]}" for i, c in enumerate(gemv_w4.PIPE_CANDIDATES)
-            for dt in ("fp16", "bf16")]
-    out = compiled_for_hopper(HOPPER_WORDS, *args).split()
-    got = {out[j]: tuple(map(int, out[j + 1:j + 5])) for j in range(0, len(out), 5)}
-    assert set(got) == set(args), out
-    for arg, (regs, lop3, hfma2, cp_async) in got.items():
-        assert cp_async > 0 and regs <= 128, (arg, got)
-
-
-@pytest.mark.skipif(CUDA, reason="compiled for sm_90 on a machine without a GPU")
 def test_split_k_words_tiles_with_a_prologue_compile_for_hopper():
-    """The two-piece WORDS tile and a PIPE one with each prologue before their split of K
-    (residual add + RMSNorm, RMSNorm, SiLU * up): ptxas takes them, the loop's PTX is the
-    plain tile's (lop3, fp16-pair FMAs; cp.async where PIPE) and a thread keeps to at most
-    128 registers."""
+    """The two-piece WORDS tile with each prologue before its split of K (residual add +
+    RMSNorm, RMSNorm, SiLU * up): ptxas takes it, the loop's PTX is the plain tile's (lop3,
+    fp16-pair FMAs, no cp.async) and a thread keeps to at most 128 registers."""
     two = next(i for i, c in enumerate(gemv_w4.WORDS_CANDIDATES) if c[1] == 256)
-    pipe = len(gemv_w4.WORDS_CANDIDATES) + next(
-        i for i, c in enumerate(gemv_w4.PIPE_CANDIDATES) if c[5] == 3)
-    args = [f"{two}:bf16:2:128:2", f"{two}:fp16:8:128:1", f"{two}:bf16:4:128:3",
-            f"{pipe}:fp16:4:128:2"]
+    args = [f"{two}:bf16:2:128:2", f"{two}:fp16:8:128:1", f"{two}:bf16:4:128:3"]
     out = compiled_for_hopper(HOPPER_WORDS, *args).split()
     got = {out[j]: tuple(map(int, out[j + 1:j + 5])) for j in range(0, len(out), 5)}
     assert set(got) == set(args), out
     for arg, (regs, lop3, hfma2, cp_async) in got.items():
-        assert regs <= 128 and lop3 >= 16 and hfma2 >= 32, (arg, got)
-        assert (cp_async > 0) == arg.startswith(f"{pipe}:"), (arg, got)
+        assert regs <= 128 and lop3 >= 16 and hfma2 >= 32 and cp_async == 0, (arg, got)
 
 
 # compiled for sm_90: each DOT_CANDIDATES tile at 8 rows, its count of cp.async (LDGSTS)
@@ -334,8 +313,8 @@ for cfg in gemv_w4.DOT_CANDIDATES:      # 8 rows: BLOCK_M 16, as packed_gemv pad
 @pytest.mark.skipif(CUDA, reason="compiled for sm_90 on a machine without a GPU")
 def test_tensor_core_tiles_keep_their_pipelined_loads():
     """The 2-8 row tensor-core tiles' loads stay pipelined through shared memory by the
-    launch's num_stages: their PIPE (None) leaves the loop to it (an explicit num_stages=1 on
-    the loop took their cp.async away)."""
+    launch's num_stages: the loop a plain range leaves it to them (an explicit num_stages=1
+    on the loop took their cp.async away)."""
     counts = list(map(int, compiled_for_hopper(HOPPER_DOT).split()))
     assert len(counts) == len(gemv_w4.DOT_CANDIDATES) and min(counts) > 0, counts
 
@@ -454,11 +433,11 @@ def test_packed_gemv_prologues(cfg):
 
 
 @pytest.mark.parametrize("cfg", [(32, 128, 2, 3, False, 3, 2), (16, 128, 2, 3, False, 2, 4),
-                                 (8, 128, 2, 3, False, True, 8), (32, 128, 2, 4, False, 3, 4, True)]
-                         + ([gemv_w4.KSPLIT_CANDIDATES[3], gemv_w4.PIPE_CANDIDATES[1]] if CUDA
+                                 (8, 128, 2, 3, False, True, 8), (32, 256, 2, 3, False, 3, 4)]
+                         + ([gemv_w4.KSPLIT_CANDIDATES[3], gemv_w4.KSPLIT_CANDIDATES[9]] if CUDA
                             else []),
-                         ids=["words2", "half4", "split8", "words4_pipe"]
-                         + (["words8_real", "pipe8_real"] if CUDA else []))
+                         ids=["words2", "half4", "split8", "words4_loop"]
+                         + (["half8_real", "words8_2pc_real"] if CUDA else []))
 def test_split_k_prologues(cfg):
     """The prologues in a split-K tile (each split turns its own columns of the input into the
     matmul's, _split_input; the norms' 1/rms from every split's sum of squares): residual add

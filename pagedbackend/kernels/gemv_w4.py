@@ -57,17 +57,6 @@ KSPLIT_CANDIDATES = ((64, 256, 4, 3, False, 2, 2), (64, 256, 4, 3, False, 2, 4),
                      (64, 128, 4, 3, False, 3, 8), (64, 256, 4, 3, False, 3, 8),
                      (16, 1024, 4, 3, False, True, 2),
                      (32, 512, 4, 4, False, True, 4), (16, 512, 4, 4, False, True, 4))
-# one row, split-K, the loads pipelined by the compiler (an eighth element, True: the loop is
-# tl.range(num_stages=num_stages), which puts num_stages - 1 iterations' codes in flight
-# through shared memory, cp.async, instead of registers; compiled for sm_90 by triton 3.9
-# these tiles' plain range() loop issues none whatever num_stages is, where the tensor-core
-# tiles' dots get theirs from the launch's num_stages, pipe_stages): WORDS and HALF tiles
-# loaded in their iteration. Calls 83-85 (H100) point at the bytes in flight an SM: two WORDS
-# pieces an iteration ran 1.10-1.12x every other tile, four (96 registers, fewer programs)
-# did not. Not measured yet.
-PIPE_CANDIDATES = ((64, 128, 4, 4, False, 3, 4, True), (64, 128, 4, 4, False, 3, 8, True),
-                   (64, 128, 4, 6, False, 3, 4, True), (64, 256, 4, 4, False, 3, 2, True),
-                   (64, 256, 4, 4, False, 2, 2, True), (64, 256, 4, 4, False, 2, 8, True))
 # wider steps: swap-AB GEMM tiles ("t", BLOCK_N, BLOCK_M, SUB_K, num_warps, num_stages, SPLIT),
 # timed per rows bucket against dequantize + cuBLAS. The weight tile is the dot's first operand,
 # acc[BLOCK_N, BLOCK_M] = W x^T, so the dequantized codes feed the tensor cores from registers
@@ -446,7 +435,7 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, KSPLIT: tl.constexpr,
                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr,
                         prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                        PIPE: tl.constexpr, IN_CHUNK: tl.constexpr):
+                        IN_CHUNK: tl.constexpr):
     pid = tl.program_id(0)
     # split-K (KSPLIT > 1): program (pid, ks) sums K / KSPLIT columns, from ks * K / KSPLIT
     ks = tl.program_id(2)
@@ -502,17 +491,18 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
         tl.debug_barrier()      # the program's own scratch writes, before any thread reads
         x_ptr, x_rows = xs_ptr, xs_rows
     LOOP_PROLOGUE: tl.constexpr = 0 if SPLIT_IN else PROLOGUE
-    # WORDS of one or two pieces an iteration, not pipelined by the compiler: loads ahead
-    WORDS_AHEAD: tl.constexpr = SPLIT == 3 and BLOCK_K <= 2 * SUB_K and PIPE is None
+    # WORDS of one or two pieces an iteration: loads ahead
+    WORDS_AHEAD: tl.constexpr = SPLIT == 3 and BLOCK_K <= 2 * SUB_K
     if WORDS_AHEAD:
         yw = _words_sum(x_ptr, q_rows, s_ptr, z_ptr, n, n_ok, N, k_lo, k_len, GROUP,
                         BLOCK_N, BLOCK_K, SUB_K, x_ptr.dtype.element_ty == tl.bfloat16)
     else:
-        # PIPE (PIPE_CANDIDATES): the compiler pipelines the iteration's loads through shared
-        # memory (cp.async), PIPE - 1 iterations ahead. None: the launch's num_stages, which
-        # pipelines the loads of the tensor-core tiles' dots and no others (sm_90, triton
-        # 3.9: num_stages=1 here would take the dots' cp.async away too)
-        for k0 in tl.range(k_lo, k_lo + k_len, BLOCK_K, num_stages=PIPE):
+        # (the launch's num_stages pipelines the loads of the tensor-core tiles' dots through
+        # shared memory, and no other tile's; sm_90, triton 3.9: an explicit num_stages=1 on
+        # this loop would take the dots' cp.async away. One-row tiles whose loop was
+        # tl.range(num_stages=...), cp.async for their codes, ran 0.6-5 µs slower than the
+        # WORDS tiles loaded ahead in registers and were removed: call 86)
+        for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
             for i in tl.static_range(BLOCK_K // SUB_K):
                 kk = tl.multiple_of(k0 + i * SUB_K, SUB_K)
                 if SPLIT == 3:     # WORDS: one row, no prologue in the loop (WORDS_CANDIDATES)
@@ -722,13 +712,6 @@ def _dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, BITS:
              mask=n_ok[:, None])
 
 
-def pipe_stages(config: tuple) -> int | None:
-    """The kernel's PIPE for a one-row-or-more tile: its num_stages for PIPE_CANDIDATES (an
-    eighth element, True), else None (the loop a plain range: the launch's num_stages then
-    pipelines the tensor-core tiles' loads, and no other tile's)."""
-    return config[3] if len(config) > 7 and not config[4] and config[7] else None
-
-
 def half_fits(config: tuple, group: int, row_bytes: int = 0) -> bool:
     """Whether a HALF tile (SPLIT 2) gives each thread eight code bytes (or more) of a piece
     (_half_step takes eight consecutive bytes of one row at a time), or a WORDS tile (SPLIT 3)
@@ -857,8 +840,7 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
     block_n, block_k, warps, stages, *dot = config
     use_dot = bool(dot and dot[0])
     # SPLIT_CANDIDATES (1), HALF_CANDIDATES (2), WORDS_CANDIDATES (3); a seventh element
-    # splits K (KSPLIT_CANDIDATES), an eighth (True) has the compiler pipeline the loads over
-    # num_stages (PIPE_CANDIDATES)
+    # splits K (KSPLIT_CANDIDATES)
     split = int(dot[1]) if not use_dot and len(dot) > 1 else 0
     ksplit = int(dot[2]) if not use_dot and len(dot) > 2 else 1
     assert ksplit == 1 or k % (ksplit * pw.group_size) == 0, f"split-K tile {config} takes " \
@@ -902,7 +884,7 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=split, KSPLIT=ksplit,
         USE_DOT=use_dot,
         PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
-        PREFETCH=pf > 0, PIPE=pipe_stages(config), IN_CHUNK=chunk, num_warps=warps,
+        PREFETCH=pf > 0, IN_CHUNK=chunk, num_warps=warps,
         num_stages=stages,
         **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y

@@ -22,9 +22,9 @@ import triton
 from pagedbackend.kernels import tuning_cache
 from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL
 from pagedbackend.kernels.gemv_w4 import (CANDIDATES, DOT_CANDIDATES, HALF_CANDIDATES,
-                                          KSPLIT_CANDIDATES, MAX_ROWS, PIPE_CANDIDATES,
-                                          SPLIT_CANDIDATES, SWAP_CANDIDATES, WORDS_CANDIDATES,
-                                          _block_k, half_fits, packed_gemv)
+                                          KSPLIT_CANDIDATES, MAX_ROWS, SPLIT_CANDIDATES,
+                                          SWAP_CANDIDATES, WORDS_CANDIDATES, _block_k,
+                                          half_fits, packed_gemv)
 
 logger = logging.getLogger("pagedbackend")
 
@@ -100,7 +100,7 @@ def _config(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
             return CANDIDATES[0] if x.shape[0] <= MAX_ROWS else None
         plain = _key(x, pw, PLAIN)
         sets = (CANDIDATES, DOT_CANDIDATES, SPLIT_CANDIDATES, HALF_CANDIDATES,
-                WORDS_CANDIDATES, KSPLIT_CANDIDATES, PIPE_CANDIDATES, SWAP_CANDIDATES,
+                WORDS_CANDIDATES, KSPLIT_CANDIDATES, SWAP_CANDIDATES,
                 FUSED_TRIES)
         if plain not in _CHOICE:
             def tune_plain():
@@ -129,7 +129,7 @@ def _tiles(rows: int, pw, dtype: torch.dtype = torch.bfloat16) -> tuple:
         half = tuple(c for c in HALF_CANDIDATES + WORDS_CANDIDATES
                      if half_fits(c, pw.group_size, row)) if half_ok else ()
         # split-K: whole groups per split, SPLIT / HALF / WORDS tiles as above
-        ksplit = tuple(c for c in KSPLIT_CANDIDATES + PIPE_CANDIDATES
+        ksplit = tuple(c for c in KSPLIT_CANDIDATES
                        if pw.bits == 4 and pw.shape[1] % (c[6] * pw.group_size) == 0
                        and (c[5] is True or half_ok and half_fits(c, pw.group_size, row)))
         return fma + half + ksplit
