@@ -429,9 +429,10 @@ def _split_input(x_rows, r_rows, r_out_rows, g_ptr, xs_rows, k_lo, k_len, store_
 
 @triton.jit
 def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_ptr, g_ptr, eps,
-                        ws_ptr, cnt_ptr, xs_ptr, ss_ptr, M, N, K, stride_q, stride_xm, stride_ym, stride_rm,
-                        stride_rom, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+                        ws_ptr, cnt_ptr, xs_ptr, ss_ptr, M, N, K, stride_q, stride_xm, stride_ym,
+                        stride_rm, stride_rom, GROUP: tl.constexpr, BITS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SUB_K: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, KSPLIT: tl.constexpr,
                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr,
                         prefetch_programs, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
@@ -789,7 +790,7 @@ def dequantize_packed(pw, dtype: torch.dtype) -> torch.Tensor:
 # between launches (the last split of a tile resets its own). A buffer that was outgrown is
 # kept: CUDA graphs captured with it still point at it.
 _SPLIT_K: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
+_OUTGROWN: list[torch.Tensor] = []
 
 
 def _split_k_buffers(device: torch.device, sums: int, tiles: int):
@@ -799,7 +800,7 @@ def _split_k_buffers(device: torch.device, sums: int, tiles: int):
     have = _SPLIT_K.get(device)
     if have is None or have[0].numel() < sums or have[1].numel() < tiles:
         if have is not None:
-            _OUTGROWN.append(have)
+            _OUTGROWN.extend(have)
             sums, tiles = max(sums, have[0].numel()), max(tiles, have[1].numel())
         have = (torch.empty(sums, dtype=torch.float32, device=device),
                 torch.zeros(tiles, dtype=torch.int32, device=device))
@@ -819,7 +820,7 @@ def _prologue_buffers(device: torch.device, dtype: torch.dtype, squares: int, in
     words = start + (inputs + 1) // 2
     if have is None or have.numel() < words:
         if have is not None:
-            _OUTGROWN.append((have, have))
+            _OUTGROWN.append(have)
         have = _PROLOGUE[device] = torch.empty(max(words, 0 if have is None else have.numel()),
                                                dtype=torch.float32, device=device)
     return have[start:].view(dtype), have[:squares]
@@ -884,8 +885,7 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         BLOCK_K=block_k, SUB_K=sub_k, HAS_BIAS=bias is not None, SPLIT=split, KSPLIT=ksplit,
         USE_DOT=use_dot,
         PRECISION=dot_precision(x.dtype), PROLOGUE=prologue, prefetch_programs=pf,
-        PREFETCH=pf > 0, IN_CHUNK=chunk, num_warps=warps,
-        num_stages=stages,
+        PREFETCH=pf > 0, IN_CHUNK=chunk, num_warps=warps, num_stages=stages,
         **pdl_launch(x))
     return (y, r_out) if prologue == ADD_NORM else y
 

@@ -5,10 +5,11 @@ L2 flushed).
 
 The plain matmul tries every tile against dequantize + cuBLAS. A prologue (RMSNorm, residual
 add + RMSNorm, SiLU * up) then runs inside the kernel only where that was timed faster than the
-separate norm / activation kernel followed by the plain choice: each program recomputes the
-prologue over the whole input row, and at 4 bits a row's input is four times the bytes of the
-weight codes it multiplies, so the fused form does not pay everywhere it pays for 16-bit
-weights. Only the plain matmul's fastest tiles are tried in fused form (each prologue is a
+separate norm / activation kernel followed by the plain choice: a tile over the whole K has
+each program recompute the prologue over the whole input row, and at 4 bits a row's input is
+four times the bytes of the weight codes it multiplies, so the fused form does not pay
+everywhere it pays for 16-bit weights (a split-K tile's programs each do their own split's
+columns only). Only the plain matmul's fastest tiles are tried in fused form (each prologue is a
 separate compilation of every tile it tries).
 """
 from __future__ import annotations
