@@ -59,7 +59,7 @@ def profile(llm, label: str) -> None:
     from pagedbackend import SamplingParams
     profile_generate(llm, {"prompt_token_ids": random_prompts(1, 128)[0]},
                      SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), label,
-                     cycle={"_skinny_kernel": 4})
+                     cycle={"_skinny_kernel": 4, "_packed_gemv_kernel": 4})
 
 
 def main():
