@@ -180,7 +180,7 @@ def test_split_k_tiles_match_dequantize_then_matmul(cfg, dtype):
         other = packed_weight(2 * n, k, 4, group)
         gemv_w4.packed_gemv(x, other, None, cfg)
         assert torch.equal(gemv_w4.packed_gemv(x, pw, b, cfg), y)
-    _, counts = gemv_w4._SPLIT_K[x.device]
+    counts = gemv_w4._SPLIT_K[(x.device, "counts")]
     assert not counts.any(), "a tile's count of finished splits was left behind"
 
 
@@ -255,8 +255,8 @@ def packed_tool(cfg, dt, ksplit, group, block_m, tool, *flags, prologue=0):
                 ss_ptr="*fp32")
     return sm90_tool(gemv_w4._packed_gemv_kernel, const, ptrs, warps, stages, tool, *flags)
 """
-# compiled for sm_90 by compiled_for_hopper; prints each one-row WORDS / HALF tile's registers
-# and its SASS counts of lop3, fp16-pair FMAs and cp.async (LDGSTS); a tile is an index into
+# compiled for sm_90 by compiled_for_hopper; prints each one-row WORDS tile's registers and its
+# SASS counts of lop3, fp16-pair FMAs and cp.async (LDGSTS); a tile is an index into
 # WORDS_CANDIDATES
 HOPPER_WORDS = PACKED_SM90 + """
 for arg in sys.argv[1:]:
@@ -271,6 +271,16 @@ for arg in sys.argv[1:]:
 """
 
 
+def words_tiles_compile_plain(args: list[str]) -> None:
+    """HOPPER_WORDS on args (index:dtype:ksplit[:group[:prologue]]): each compiles, lop3 opens
+    the codes, fp16-pair FMAs multiply, no cp.async, at most 128 registers a thread."""
+    out = compiled_for_hopper(HOPPER_WORDS, *args).split()
+    got = {out[j]: tuple(map(int, out[j + 1:j + 5])) for j in range(0, len(out), 5)}
+    assert set(got) == set(args), out
+    for arg, (regs, lop3, hfma2, cp_async) in got.items():
+        assert regs <= 128 and lop3 >= 16 and hfma2 >= 32 and cp_async == 0, (arg, got)
+
+
 @pytest.mark.skipif(CUDA, reason="compiled for sm_90 on a machine without a GPU")
 def test_words_tiles_compile_for_hopper():
     """ptxas takes the WORDS tiles' PTX (the interpreter does not run it) in its three forms:
@@ -282,11 +292,7 @@ def test_words_tiles_compile_for_hopper():
     pieces = next(i for i, c in enumerate(gemv_w4.WORDS_CANDIDATES) if c[1] == 256)
     args = [f"{ahead}:fp16:1", f"{ahead}:bf16:4", f"{pieces}:fp16:2", f"{pieces}:bf16:1",
             f"{pieces}:fp16:1:64"]
-    out = compiled_for_hopper(HOPPER_WORDS, *args).split()
-    got = {out[j]: tuple(map(int, out[j + 1:j + 5])) for j in range(0, len(out), 5)}
-    assert set(got) == set(args), out
-    for arg, (regs, lop3, hfma2, cp_async) in got.items():
-        assert regs <= 128 and lop3 >= 16 and hfma2 >= 32 and cp_async == 0, (arg, got)
+    words_tiles_compile_plain(args)
 
 
 @pytest.mark.skipif(CUDA, reason="compiled for sm_90 on a machine without a GPU")
@@ -296,11 +302,7 @@ def test_split_k_words_tiles_with_a_prologue_compile_for_hopper():
     fp16-pair FMAs, no cp.async) and a thread keeps to at most 128 registers."""
     two = next(i for i, c in enumerate(gemv_w4.WORDS_CANDIDATES) if c[1] == 256)
     args = [f"{two}:bf16:2:128:2", f"{two}:fp16:8:128:1", f"{two}:bf16:4:128:3"]
-    out = compiled_for_hopper(HOPPER_WORDS, *args).split()
-    got = {out[j]: tuple(map(int, out[j + 1:j + 5])) for j in range(0, len(out), 5)}
-    assert set(got) == set(args), out
-    for arg, (regs, lop3, hfma2, cp_async) in got.items():
-        assert regs <= 128 and lop3 >= 16 and hfma2 >= 32 and cp_async == 0, (arg, got)
+    words_tiles_compile_plain(args)
 
 
 # compiled for sm_90: each DOT_CANDIDATES tile at 8 rows, its count of cp.async (LDGSTS)
@@ -465,7 +467,7 @@ def test_split_k_prologues(cfg):
         y = gemv_w4.packed_gemv(gate_up, pw, None, cfg, SILU_MUL)
         assert rel_err(y, gemv_w4.packed_gemv(activation.silu_and_mul_torch(gate_up), pw, None,
                                               cfg)) < 1e-2, m
-    _, counts = gemv_w4._SPLIT_K[x.device]
+    counts = gemv_w4._SPLIT_K[(x.device, "counts")]
     assert not counts.any(), "a tile's count of finished splits was left behind"
 
 

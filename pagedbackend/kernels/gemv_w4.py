@@ -786,43 +786,38 @@ def dequantize_packed(pw, dtype: torch.dtype) -> torch.Tensor:
     return w
 
 
-# device -> (fp32 partial sums, int32 counts per N tile), grown as needed; the counts are 0
-# between launches (the last split of a tile resets its own). A buffer that was outgrown is
-# kept: CUDA graphs captured with it still point at it.
-_SPLIT_K: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+# (device, what) -> a 1-D scratch tensor shared by every launch on the device (launches on one
+# stream run one after another; under programmatic dependent launch a kernel touches it only
+# after its wait for the previous one), grown as needed. A tensor that was outgrown is kept:
+# CUDA graphs captured with it still point at it.
+_SPLIT_K: dict[tuple[torch.device, str], torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []
 
 
-def _split_k_buffers(device: torch.device, sums: int, tiles: int):
-    """The split-K workspace: one per device, shared by every launch (launches on one stream
-    run one after another; under programmatic dependent launch a kernel touches it only after
-    its wait for the previous one)."""
-    have = _SPLIT_K.get(device)
-    if have is None or have[0].numel() < sums or have[1].numel() < tiles:
+def _scratch(device: torch.device, what: str, numel: int, dtype: torch.dtype,
+             zeroed: bool = False) -> torch.Tensor:
+    """_SPLIT_K[(device, what)], at least numel elements (a new one zeroed where asked)."""
+    have = _SPLIT_K.get((device, what))
+    if have is None or have.numel() < numel:
         if have is not None:
-            _OUTGROWN.extend(have)
-            sums, tiles = max(sums, have[0].numel()), max(tiles, have[1].numel())
-        have = (torch.empty(sums, dtype=torch.float32, device=device),
-                torch.zeros(tiles, dtype=torch.int32, device=device))
-        _SPLIT_K[device] = have
+            _OUTGROWN.append(have)
+        have = _SPLIT_K[(device, what)] = (torch.zeros if zeroed else torch.empty)(
+            numel, dtype=dtype, device=device)
     return have
 
 
-# device -> fp32 scratch of the split-K tiles' prologues: the sums of squares (a tile's splits'
-# rows), then the 16-bit input rows (_split_input); grown and kept as _SPLIT_K's buffers are
-_PROLOGUE: dict[torch.device, torch.Tensor] = {}
+def _split_k_buffers(device: torch.device, sums: int, tiles: int):
+    """The split-K workspace: fp32 partial sums and the int32 count of finished splits per N
+    tile, 0 between launches (the last split of a tile resets its own)."""
+    return (_scratch(device, "sums", sums, torch.float32),
+            _scratch(device, "counts", tiles, torch.int32, zeroed=True))
 
 
 def _prologue_buffers(device: torch.device, dtype: torch.dtype, squares: int, inputs: int):
-    """(the 16-bit scratch rows, the fp32 sums of squares) for a split-K tile's prologue."""
-    have = _PROLOGUE.get(device)
-    start = -(-squares // 4) * 4        # the rows 16-byte aligned
-    words = start + (inputs + 1) // 2
-    if have is None or have.numel() < words:
-        if have is not None:
-            _OUTGROWN.append(have)
-        have = _PROLOGUE[device] = torch.empty(max(words, 0 if have is None else have.numel()),
-                                               dtype=torch.float32, device=device)
+    """(the 16-bit scratch rows, the fp32 sums of squares) for a split-K tile's prologue
+    (_split_input): one fp32 tensor, the sums first, the rows from a 16-byte boundary."""
+    start = -(-squares // 4) * 4
+    have = _scratch(device, "prologue", start + (inputs + 1) // 2, torch.float32)
     return have[start:].view(dtype), have[:squares]
 
 
@@ -855,8 +850,8 @@ def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
         f"HALF / WORDS tile {config} takes one 16-bit row, a prologue only when it splits K " \
         f"and 8 / 16 code bytes a thread, not {m} rows of {x.dtype}, prologue {prologue}, " \
         f"group {pw.group_size}, {pw.qweight.stride(0)} code bytes a row"
-    if split == 3 and x.data_ptr() % 16:    # WORDS reads the input in 8-byte loads
-        x = x.clone()
+    if split == 3 and prologue == PLAIN and x.data_ptr() % 16:
+        x = x.clone()       # WORDS reads the input in 8-byte loads (with a prologue, xs)
     block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     r = r_out = x
