@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedbackend.kernels import tuning_cache
 from pagedbackend.kernels.common import pdl_enter, pdl_launch
 from pagedbackend.kernels.gemv_w4 import _split_k_buffers, split_k_sum
 
@@ -136,7 +137,6 @@ def maybe_fp8_mma_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor,
     if key not in _CHOICE:
         if torch.cuda.is_current_stream_capturing():
             return None
-        from pagedbackend.kernels import tuning_cache
         _CHOICE[key] = tuning_cache.remembered(
             "fp8mma", key, (CANDIDATES,), lambda: _tune(xq, sx, wq, w_scale, bias, dtype))
     cfg = _CHOICE[key]
