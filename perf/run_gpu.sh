@@ -9,10 +9,10 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (after H100 call 86, perf/RESULTS.md): "splitk w1awq16 w1awq16prof" (~8-9 min:
-# the split-K prologues with scratch rows of each program's own, W1 AWQ in fp16 (on an H200
-# the goal's figure), then the step with and without PDL, profiled: where the 0.43 ms outside
-# the tuner's kernel times goes), "w4runs" on an H200 (~1 min: the one-row tiles' read
+# Next calls (after H100 call 86, perf/RESULTS.md): "splitk w1awq16prof" (~8 min: the
+# split-K prologues with scratch rows of each program's own, W1 AWQ in fp16 (on an H200 the
+# goal's figure), the step with and without PDL, profiled: where the 0.43 ms outside the
+# tuner's kernel times goes), "w4runs" on an H200 (~1 min: the one-row tiles' read
 # bound there), "ncusrc" with NCU_TILES naming the one- and two-piece WORDS tiles (why two
 # pieces run faster), "w4wide" (~2 min: the swap-AB pair tiles at 64-8,192 rows); on an
 # H200, "dmon w1pairs" (~5 min: W1 fp8 / int8 with the fp16-pair tiles at 64 registers),
@@ -141,10 +141,10 @@ for s in $stages; do
     # W1 AWQ in fp16 alone (one engine's tuning, ~4 min; the goal's figure on an H200)
     w1awq16) run w1awq16 300 python3 perf/w1_decode.py --quantization awq --dtype float16 \
                --suffix awq-fp16 ;;
-    # the same, then without PDL, each profiled (under PDL the kernels' times overlap, call
-    # 83): where a step's time outside the 4-bit matmuls goes; after w1awq16 on the same
-    # machine the tuning comes from .tuning-cache, ~4 min
-    w1awq16prof) run w1awq16prof 330 python3 perf/w1_decode.py --quantization awq \
+    # w1awq16's run (its figure and JSON), then the same engine settings without PDL, each
+    # profiled (under PDL the kernels' times overlap, call 83): where a step's time outside
+    # the 4-bit matmuls goes; one tuning (the second engine reuses the process's), ~6 min
+    w1awq16prof) run w1awq16prof 420 python3 perf/w1_decode.py --quantization awq \
                    --dtype float16 --ab nopdl --profile --suffix awq-fp16 ;;
     # every WORDS tile against the HALF tiles at one row, fp16 and bf16 inputs (after "splitk",
     # their GPU parity), ~2 min
