@@ -434,23 +434,44 @@ def test_packed_gemv_prologues(cfg):
         assert rel_err(y, activation.silu_and_mul_torch(gate_up).float() @ w.t()) < 2e-2
 
 
+def run_programs_last_to_first(monkeypatch) -> None:
+    """Under TRITON_INTERPRET=1 (which runs a launch's programs one by one, in grid order),
+    run them in the reverse order on every axis."""
+    from triton.runtime import interpreter
+    builder = interpreter.interpreter_builder
+    set_idx = type(builder).set_grid_idx
+
+    def reversed_idx(self, x, y, z):
+        gx, gy, gz = self.grid_dim
+        set_idx(self, gx - 1 - x, gy - 1 - y, gz - 1 - z)
+    monkeypatch.setattr(type(builder), "set_grid_idx", reversed_idx)
+
+
 @pytest.mark.parametrize("cfg", [(32, 128, 2, 3, False, 3, 2), (16, 128, 2, 3, False, 2, 4),
                                  (8, 128, 2, 3, False, True, 8), (32, 256, 2, 3, False, 3, 4)]
                          + ([gemv_w4.KSPLIT_CANDIDATES[3], gemv_w4.KSPLIT_CANDIDATES[9]] if CUDA
                             else []),
                          ids=["words2", "half4", "split8", "words4_loop"]
                          + (["half8_real", "words8_2pc_real"] if CUDA else []))
-def test_split_k_prologues(cfg):
+def test_split_k_prologues(cfg, monkeypatch):
     """The prologues in a split-K tile (each split turns its own columns of the input into the
     matmul's, _split_input; the norms' 1/rms from every split's sum of squares): residual add
     + RMSNorm (the sum written whole, equal to the separate kernel's), RMSNorm alone,
     SiLU(gate) * up, each against the separate op then the same tile without a prologue, and
-    the same bits on a second launch (the splits' scratch and counts shared by launches)."""
+    the same bits on a second launch (the splits' scratch and counts shared by launches).
+    The CPU interpreter runs the programs last to first here: a program that read another's
+    scratch rows (the WORDS tiles read program 0's until H100 call 87's parity test showed
+    it) would then read rows not yet written, as on the GPU."""
     from pagedbackend.kernels.gemv import ADD_NORM, NORM, SILU_MUL
     from pagedbackend.layers import activation, norm
     n, k = (4096, 4096) if CUDA else (80, 1024)     # N not a multiple of every BLOCK_N
     pw = packed_weight(n, k, 4, 64)
     rows = (1, 3) if cfg[5] is True else (1,)
+    if not CUDA:
+        run_programs_last_to_first(monkeypatch)
+        scratch = gemv_w4._SPLIT_K.get((torch.device(DEV), "prologue"))
+        if scratch is not None:     # what earlier tests' launches left there
+            scratch.fill_(float("nan"))
     for m in rows:
         x, r = (torch.randn(m, k, device=DEV).bfloat16() for _ in range(2))
         g = (1 + 0.5 * torch.randn(k, device=DEV)).bfloat16()
