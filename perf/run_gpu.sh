@@ -9,10 +9,9 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (after H100 call 86, perf/RESULTS.md): "splitk w1awq16prof" (~8 min: the
-# split-K prologues with scratch rows of each program's own, W1 AWQ in fp16 (on an H200 the
-# goal's figure), the step with and without PDL, profiled: where the 0.43 ms outside the
-# tuner's kernel times goes), "w4runs" on an H200 (~1 min: the one-row tiles' read
+# Next calls (after H100 call 87, perf/RESULTS.md): "splitk w1awq16prof" (~8 min: the
+# split-K WORDS prologue tiles' parity after their fix (324bf4e), W1 AWQ in fp16 (on an H200
+# the goal's figure) with and without PDL in one process, both profiled), "w4runs" on an H200 (~1 min: the one-row tiles' read
 # bound there), "ncusrc" with NCU_TILES naming the one- and two-piece WORDS tiles (why two
 # pieces run faster), "w4wide" (~2 min: the swap-AB pair tiles at 64-8,192 rows); on an
 # H200, "dmon w1pairs" (~5 min: W1 fp8 / int8 with the fp16-pair tiles at 64 registers),
