@@ -469,9 +469,7 @@ def test_split_k_prologues(cfg, monkeypatch):
     rows = (1, 3) if cfg[5] is True else (1,)
     if not CUDA:
         run_programs_last_to_first(monkeypatch)
-        scratch = gemv_w4._SPLIT_K.get((torch.device(DEV), "prologue"))
-        if scratch is not None:     # what earlier tests' launches left there
-            scratch.fill_(float("nan"))
+        gemv_w4.poison_prologue_scratch(torch.device(DEV))   # not what earlier tests left
     for m in rows:
         x, r = (torch.randn(m, k, device=DEV).bfloat16() for _ in range(2))
         g = (1 + 0.5 * torch.randn(k, device=DEV)).bfloat16()

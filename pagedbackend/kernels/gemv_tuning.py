@@ -194,12 +194,16 @@ def agrees(out: torch.Tensor, ref: torch.Tensor) -> bool:
     return torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * scale)
 
 
-def time_tiles(tiles, kernel, ref: torch.Tensor, what: str, shape: str) -> list[tuple]:
+def time_tiles(tiles, kernel, ref: torch.Tensor, what: str, shape: str,
+               before_check=None) -> list[tuple]:
     """[(us, tile)] of the tiles whose kernel(tile) agrees with ref, fastest first. A tile
-    that is wrong here (e.g. a miscompile) or fails is never chosen (agrees)."""
+    that is wrong here (e.g. a miscompile) or fails is never chosen (agrees). before_check(),
+    where given, runs before each tile's checked launch (not before the timed ones)."""
     timed = []
     for cfg in tiles:
         try:
+            if before_check is not None:
+                before_check()
             agree = agrees(kernel(cfg), ref)
             if agree:
                 timed.append((_time_us(lambda cfg=cfg: kernel(cfg)), cfg))

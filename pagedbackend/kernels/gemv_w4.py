@@ -826,6 +826,15 @@ def _prologue_buffers(device: torch.device, dtype: torch.dtype, squares: int, in
     return have[start:].view(dtype), have[:squares]
 
 
+def poison_prologue_scratch(device: torch.device) -> None:
+    """Fill the split-K prologue's scratch (if there is one yet) with NaN in fp32, fp16 and
+    bf16 alike (0x7FC0 in every half word): a launch that reads rows it did not write
+    comes out NaN."""
+    have = _SPLIT_K.get((device, "prologue"))
+    if have is not None:
+        have.view(torch.int32).fill_(0x7FC07FC0)
+
+
 def packed_gemv(x: torch.Tensor, pw, bias: torch.Tensor | None, config: tuple,
                 prologue: int = PLAIN, residual: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0):

@@ -25,7 +25,7 @@ from pagedbackend.kernels.gemv import ADD_NORM, NORM, PLAIN, SILU_MUL
 from pagedbackend.kernels.gemv_w4 import (CANDIDATES, DOT_CANDIDATES, HALF_CANDIDATES,
                                           KSPLIT_CANDIDATES, MAX_ROWS, SPLIT_CANDIDATES,
                                           SWAP_CANDIDATES, WORDS_CANDIDATES, _block_k,
-                                          half_fits, packed_gemv)
+                                          half_fits, packed_gemv, poison_prologue_scratch)
 
 logger = logging.getLogger("pagedbackend")
 
@@ -181,7 +181,11 @@ def _tune(x: torch.Tensor, pw, bias, prologue: int) -> tuple | None:
                    None if bias is None else bias.float()) if prologue == PLAIN \
         else baseline().float()
     base = _time_us(baseline)
-    timed = time_tiles(tiles, kernel, ref, f"W{pw.bits}A16 {what}", f"{rows}x{n}x{k}")
+    # each checked launch finds the split-K prologue's scratch rows NaN, not the rows the tile
+    # timed before it left there from the same input: a tile that read rows it had not
+    # written agreed so and was chosen (H100 call 87, fixed in 324bf4e)
+    timed = time_tiles(tiles, kernel, ref, f"W{pw.bits}A16 {what}", f"{rows}x{n}x{k}",
+                       before_check=lambda: poison_prologue_scratch(dev))
     if prologue == PLAIN:
         _RANKED[_key(x, pw, PLAIN)] = [cfg for us, cfg in timed]
     best, best_us = None, base
