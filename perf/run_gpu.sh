@@ -9,18 +9,16 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (after H100 call 87, perf/RESULTS.md): "splitk w1awq16prof" (~8 min: the
-# split-K WORDS prologue tiles' parity after their fix (324bf4e), W1 AWQ in fp16 (on an H200
-# the goal's figure) with and without PDL in one process, both profiled), "w4runs" on an H200 (~1 min: the one-row tiles' read
-# bound there), "ncusrc" with NCU_TILES naming the one- and two-piece WORDS tiles (why two
-# pieces run faster), "w4wide" (~2 min: the swap-AB pair tiles at 64-8,192 rows); on an
-# H200, "dmon w1pairs" (~5 min: W1 fp8 / int8 with the fp16-pair tiles at 64 registers),
-# "dequant fp8mma" (~4 min: the W8A8 fp8 tiles at 1-64 rows, W1 fp8 A/B) then "w2awq"
-# (~5 min: AWQ 0.854x bf16 on an H100), "correctnessw8a8 correctnessawq correctnessgptq",
-# "servefp8" (~8 min, carry models/dummy/llama-3.1-8b: W4 with fp8 weights) and "w5cb"
-# (~3 min). Pass
-# PAGEDBACKEND_COMMIT as a literal hash computed here: on the device `git rev-parse` reads a
-# stale .git (calls 71-73).
+# Next calls (after H100 call 87, perf/RESULTS.md): "splitk w1awq16prof" (~8 min: the split-K WORDS
+# prologue tiles' parity after their fix (324bf4e), W1 AWQ in fp16 (on an H200 the goal's figure)
+# with and without PDL in one process, both profiled), "w4runs" on an H200 (~1 min: the one-row
+# tiles' read bound there), "ncusrc" with NCU_TILES naming the one- and two-piece WORDS tiles (why
+# two pieces run faster), "w4wide" (~2 min: the swap-AB pair tiles at 64-8,192 rows); on an H200,
+# "dmon w1pairs" (~5 min: W1 fp8 / int8 with the fp16-pair tiles at 64 registers), "dequant fp8mma"
+# (~4 min: the W8A8 fp8 tiles at 1-64 rows, W1 fp8 A/B) then "w2awq" (~5 min: AWQ 0.854x bf16 on an
+# H100), "correctnessw8a8 correctnessawq correctnessgptq", "servefp8" (~8 min, carry
+# models/dummy/llama-3.1-8b: W4 with fp8 weights) and "w5cb" (~3 min). Pass PAGEDBACKEND_COMMIT as a
+# literal hash computed here: on the device `git rev-parse` reads a stale .git (calls 71-73).
 run() {  # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"

@@ -486,16 +486,15 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, r_ptr, r_out_p
     # the whole K.
     SPLIT_IN: tl.constexpr = KSPLIT > 1 and PROLOGUE != 0
     if SPLIT_IN:
-        xs_rows = xs_ptr + (pid.to(tl.int64) * M + m)[:, None] * K
+        # the program's rows, as x_ptr / x_rows are the input's: the WORDS tiles read their one
+        # row from x_ptr (with xs_ptr, program 0's rows, they read rows not yet written: H100
+        # call 87)
+        xs_own = xs_ptr + pid.to(tl.int64) * M * K
+        xs_rows = xs_own + m.to(tl.int64)[:, None] * K
         ss = _split_input(x_rows, r_rows, r_out_rows, g_ptr, xs_rows, k_lo, k_len, store_ok,
                           m_ok, K, BLOCK_M, PROLOGUE, IN_CHUNK)
         tl.debug_barrier()      # the program's own scratch writes, before any thread reads
-        # x_ptr too: the WORDS tiles (one row) read the input from x_ptr, not x_rows. With
-        # xs_ptr (program 0's rows) every program read rows it had not written: right under
-        # the CPU interpreter, which runs program 0 first, and on the GPU only where an earlier
-        # launch had left the same input there (the tuner's check); H100 call 87's parity test
-        # got relative errors of 0.05-0.14 and NaN
-        x_ptr, x_rows = xs_ptr + pid.to(tl.int64) * M * K, xs_rows
+        x_ptr, x_rows = xs_own, xs_rows
     LOOP_PROLOGUE: tl.constexpr = 0 if SPLIT_IN else PROLOGUE
     # WORDS of one or two pieces an iteration: loads ahead
     WORDS_AHEAD: tl.constexpr = SPLIT == 3 and BLOCK_K <= 2 * SUB_K
