@@ -62,6 +62,7 @@ def check(arch: str, dtype: str, n: int = 256, kv_cache_dtype: str = "auto",
     d = tempfile.mkdtemp()
     extra = {"head_dim": 64} if arch == "qwen3" else {}
     hf = make_hf_checkpoint(arch, d, seed=1, std=0.05, **SHAPE, **extra)
+    requested = quantization
     if quantization in GROUPED:     # an AWQ / GPTQ checkpoint; transformers gets its weights
         d, quantization = quantized_checkpoint(hf, d, quantization), None
     hf = hf.to("cuda", getattr(torch, dtype))
@@ -83,7 +84,7 @@ def check(arch: str, dtype: str, n: int = 256, kv_cache_dtype: str = "auto",
 
     first_div = [agree(a, b) for a, b in zip(batch, ref)]
     res = {"arch": arch, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
-           "quantization": quantization,
+           "quantization": requested,
            "first32_identical": all(x >= 32 for x in first_div),
            "min_agree_prefix": min(first_div), "mean_agree_prefix_of_256": sum(first_div) / 8,
            "batch_vs_alone_identical": batch == alone,
