@@ -9,16 +9,15 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (after H100 call 87, perf/RESULTS.md): "splitk w1awq16prof" (~8 min: the split-K WORDS
-# prologue tiles' parity after their fix (324bf4e), W1 AWQ in fp16 (on an H200 the goal's figure)
-# with and without PDL in one process, both profiled), "w4runs" on an H200 (~1 min: the one-row
-# tiles' read bound there), "ncusrc" with NCU_TILES naming the one- and two-piece WORDS tiles (why
-# two pieces run faster), "w4wide" (~2 min: the swap-AB pair tiles at 64-8,192 rows); on an H200,
-# "dmon w1pairs" (~5 min: W1 fp8 / int8 with the fp16-pair tiles at 64 registers), "dequant fp8mma"
-# (~4 min: the W8A8 fp8 tiles at 1-64 rows, W1 fp8 A/B) then "w2awq" (~5 min: AWQ 0.854x bf16 on an
-# H100), "correctnessw8a8 correctnessawq correctnessgptq", "servefp8" (~8 min, carry
-# models/dummy/llama-3.1-8b: W4 with fp8 weights) and "w5cb" (~3 min). Pass PAGEDBACKEND_COMMIT as a
-# literal hash computed here: on the device `git rev-parse` reads a stale .git (calls 71-73).
+# Next calls (after H100 call 88, perf/RESULTS.md): on an H200 "w4runs w1awq16" (~5 min: the
+# one-row tiles' read bound there, W1 AWQ in fp16, the goal's figure); anywhere
+# "correctnessawq correctnessgptq w5cb correctnessw8a8" (~8 min); "ncusrc" with NCU_TILES naming
+# the one- and two-piece WORDS tiles (why two pieces run faster), "w4wide" (~2 min: the swap-AB
+# pair tiles at 64-8,192 rows); on an H200, "dmon w1pairs" (~5 min: W1 fp8 / int8 with the
+# fp16-pair tiles at 64 registers), "dequant fp8mma" (~4 min: the W8A8 fp8 tiles at 1-64 rows,
+# W1 fp8 A/B), then "w2awq" (~5 min: AWQ 0.854x bf16 on an H100) and "servefp8" (~8 min, carry
+# models/dummy/llama-3.1-8b: W4 with fp8 weights). Pass PAGEDBACKEND_COMMIT as a literal hash
+# computed here: on the device `git rev-parse` reads a stale .git (calls 71-73).
 run() {  # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -138,11 +137,6 @@ for s in $stages; do
     # W1 AWQ in fp16 alone (one engine's tuning, ~4 min; the goal's figure on an H200)
     w1awq16) run w1awq16 300 python3 perf/w1_decode.py --quantization awq --dtype float16 \
                --suffix awq-fp16 ;;
-    # w1awq16's run (its figure and JSON), then the same engine settings without PDL, each
-    # profiled (under PDL the kernels' times overlap, call 83): where a step's time outside
-    # the 4-bit matmuls goes; one tuning (the second engine reuses the process's), ~6 min
-    w1awq16prof) run w1awq16prof 420 python3 perf/w1_decode.py --quantization awq \
-                   --dtype float16 --ab nopdl --profile --suffix awq-fp16 ;;
     # every WORDS tile against the HALF tiles at one row, fp16 and bf16 inputs (after "splitk",
     # their GPU parity), ~2 min
     w4words) run w4words 240 python3 perf/kernels_bench.py --only w4words ;;
