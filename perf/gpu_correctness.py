@@ -104,7 +104,16 @@ def main():
                     help="fp8: our weights in e4m3 (transformers keeps the model's dtype); "
                          "awq, gptq, gptq-act: a 4-bit checkpoint written by "
                          "scripts/quantize.py (transformers runs its dequantized weights)")
+    ap.add_argument("--w4-tuned-rows", type=int, default=None,
+                    help="awq: time the 4-bit tiles only up to this many rows (the engine's "
+                         "MAX_TUNED_ROWS otherwise); wider steps then run dequantize + cuBLAS. "
+                         "In fp32 the tiny model's tiles at every rows bucket took the stage's "
+                         "300 s before its first architecture finished (H100 call 89); 8 keeps "
+                         "the decode steps' one-row tiles and their prologues in the check")
     a = ap.parse_args()
+    if a.w4_tuned_rows is not None:
+        from pagedbackend.kernels import gemv_w4_tuning
+        gemv_w4_tuning.MAX_TUNED_ROWS = a.w4_tuned_rows
     dtypes = a.dtypes.split(",")
     rows = []
     for dtype in dtypes:

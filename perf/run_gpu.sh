@@ -183,7 +183,9 @@ for s in $stages; do
     w2awq) run w2awq 480 python3 perf/w2_fixed.py --shapes 128-128 --ab awq ;;
     # greedy output on AWQ / GPTQ (act order) checkpoints of the tiny models vs transformers on
     # their dequantized weights, in fp32 (the kernels' arithmetic: all 256 tokens should agree)
-    correctnessawq) run correctnessawq 300 "$base_py" perf/gpu_correctness.py --dtypes float32 --quantization awq ;;
+    # (AWQ: the 4-bit tiles timed at decode's 1-8 rows only; all rows buckets did not fit 300 s)
+    correctnessawq) run correctnessawq 300 "$base_py" perf/gpu_correctness.py --dtypes float32 \
+                      --quantization awq --w4-tuned-rows 8 ;;
     correctnessgptq) run correctnessgptq 300 "$base_py" perf/gpu_correctness.py --dtypes float32 --quantization gptq-act ;;
     # decode attention at W5's mixed context lengths: grid order, longest first, splits, stages
     mixedlen) run mixedlen 120 python3 perf/kernels_bench.py --only mixedlen ;;
