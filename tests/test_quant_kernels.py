@@ -163,11 +163,13 @@ def test_half_tiles_are_one_16_bit_row_with_8_bytes_a_thread():
                          ids=["half4", "half2_loop", "words4", "words2_loop", "split2",
                               "split4_loop", "byte2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_split_k_tiles_match_dequantize_then_matmul(cfg, dtype):
+def test_split_k_tiles_match_dequantize_then_matmul(cfg, dtype, monkeypatch):
     """K split over programs whose last adds the fp32 sums: one row, with and without a bias,
     as the tiles without a split are compared (fp32 1e-5, 16-bit 1e-2); the same bits on a
     second launch (the count of finished splits went back to 0, the sum's order is fixed) and
-    after a launch of another shape (the workspace is shared)."""
+    after a launch of another shape (the workspace is shared). On the CPU interpreter also with
+    the programs run last to first: another split ends last, and the bits must not change
+    (split_k_sum adds the splits in split order, whichever ends last)."""
     if cfg[5] in (2, 3) and dtype == torch.float32:
         pytest.skip("HALF and WORDS tiles take a 16-bit row")
     n, k = (6160, 4096) if CUDA else (80, 512)      # N not a multiple of every BLOCK_N
@@ -180,6 +182,10 @@ def test_split_k_tiles_match_dequantize_then_matmul(cfg, dtype):
         other = packed_weight(2 * n, k, 4, group)
         gemv_w4.packed_gemv(x, other, None, cfg)
         assert torch.equal(gemv_w4.packed_gemv(x, pw, b, cfg), y)
+        if not CUDA:
+            with monkeypatch.context() as mp:
+                run_programs_last_to_first(mp)
+                assert torch.equal(gemv_w4.packed_gemv(x, pw, b, cfg), y), with_bias
     counts = gemv_w4._SPLIT_K[(x.device, "counts")]
     assert not counts.any(), "a tile's count of finished splits was left behind"
 
