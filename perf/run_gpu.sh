@@ -9,17 +9,18 @@ cd "$(dirname "$0")/.."
 out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
-# Next calls (after H100 call 88, perf/RESULTS.md): on an H200 "w4runs w1awq16" (~5 min: the
-# one-row tiles' read bound there, W1 AWQ in fp16, the goal's figure); anywhere
-# "correctnessawq correctnessgptq w5cb correctnessw8a8" (~8 min); "ncusrc" with NCU_TILES naming
-# the one- and two-piece WORDS tiles (why two pieces run faster), "w4wide" (~2 min: the swap-AB
-# pair tiles at 64-8,192 rows); on an H200, "dmon w1pairs" (~5 min: W1 fp8 / int8 with the
-# fp16-pair tiles at 64 registers), "dequant fp8mma" (~4 min: the W8A8 fp8 tiles at 1-64 rows,
-# W1 fp8 A/B), then "w2awq" (~5 min: AWQ 0.854x bf16 on an H100) and "servefp8" (~8 min, carry
-# models/dummy/llama-3.1-8b: W4 with fp8 weights). Pass PAGEDBACKEND_COMMIT as a literal hash
-# computed here: on the device `git rev-parse` reads a stale .git (calls 71-73). .tuning-cache/
-# here holds call 88's H100 choices (W1 AWQ fp16): carry it while pagedbackend/kernels/*.py are
-# byte-identical to 18f58ea's and an H100's W1 AWQ engine skips ~3-4 min of tuning.
+# Next calls (after H100 calls 88-89, perf/RESULTS.md): on an H200 "w4runs w1awq16" (~5 min: the
+# one-row tiles' read bound there, W1 AWQ in fp16, the goal's figure); anywhere "correctnessawq
+# w5cb correctnessw8a8" (~7 min; correctnessgptq passed in call 89, 2 min); "ncusrc" with
+# NCU_TILES naming the one- and two-piece WORDS tiles (why two pieces run faster), "w4wide" (~2
+# min: the swap-AB pair tiles at 64-8,192 rows); on an H200, "dmon w1pairs" (~5 min: W1 fp8 /
+# int8 with the fp16-pair tiles at 64 registers), "dequant fp8mma" (~4 min: the W8A8 fp8 tiles at
+# 1-64 rows, W1 fp8 A/B), then "w2awq" (~5 min: AWQ 0.854x bf16 on an H100) and "servefp8" (~8
+# min, carry models/dummy/llama-3.1-8b: W4 with fp8 weights). Pass PAGEDBACKEND_COMMIT as a
+# literal hash computed here: on the device `git rev-parse` reads a stale .git (calls 71-73).
+# .tuning-cache/ here holds call 88's H100 choices (W1 AWQ fp16): carry it while
+# pagedbackend/kernels/*.py are byte-identical to 18f58ea's and an H100's W1 AWQ engine skips
+# ~3-4 min of tuning.
 run() {  # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
