@@ -662,6 +662,13 @@ def test_argmax_rows_matches_torch_including_ties():
     assert got.dtype == torch.long and got.tolist() == x.float().argmax(dim=-1).tolist()
     assert got.tolist()[1:] == [7, 0, v - 1, CHUNK]
     assert argmax_rows(x.float()).tolist() == got.tolist()
+    # llama-3's vocabulary (32 chunks, the last ragged), the maximum in a different chunk of
+    # each row; no rows at all
+    x = torch.randn(4, 128256, device=DEV)
+    for r, col in enumerate((5, 70_000, 128_255, 4096)):
+        x[r, col] = 10.0
+    assert argmax_rows(x).tolist() == [5, 70_000, 128_255, 4096]
+    assert argmax_rows(x[:0]).shape == (0,)
 
 
 @pytest.mark.parametrize("prologue", ["plain", "add_norm", "silu_mul"])
