@@ -18,9 +18,6 @@ stages=${*:-"kernels w1 w2 w3 correctness bench"}
 # 1-64 rows, W1 fp8 A/B), then "w2awq" (~5 min: AWQ 0.854x bf16 on an H100) and "servefp8" (~8
 # min, carry models/dummy/llama-3.1-8b: W4 with fp8 weights). Pass PAGEDBACKEND_COMMIT as a
 # literal hash computed here: on the device `git rev-parse` reads a stale .git (calls 71-73).
-# .tuning-cache/ here holds call 88's H100 choices (W1 AWQ fp16): carry it while
-# pagedbackend/kernels/*.py are byte-identical to 18f58ea's and an H100's W1 AWQ engine skips
-# ~3-4 min of tuning.
 run() {  # name seconds command...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
