@@ -796,6 +796,7 @@ def dequantize_packed(pw, dtype: torch.dtype) -> torch.Tensor:
 # CUDA graphs captured with it still point at it.
 _SPLIT_K: dict[tuple[torch.device, str], torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []
+_PROLOGUE_KEY = "prologue"      # the key of the split-K prologue's scratch in _SPLIT_K
 
 
 def _scratch(device: torch.device, what: str, numel: int, dtype: torch.dtype,
@@ -821,7 +822,7 @@ def _prologue_buffers(device: torch.device, dtype: torch.dtype, squares: int, in
     """(the 16-bit scratch rows, the fp32 sums of squares) for a split-K tile's prologue
     (_split_input): one fp32 tensor, the sums first, the rows from a 16-byte boundary."""
     start = -(-squares // 4) * 4
-    have = _scratch(device, "prologue", start + (inputs + 1) // 2, torch.float32)
+    have = _scratch(device, _PROLOGUE_KEY, start + (inputs + 1) // 2, torch.float32)
     return have[start:].view(dtype), have[:squares]
 
 
@@ -829,7 +830,7 @@ def poison_prologue_scratch(device: torch.device) -> None:
     """Fill the split-K prologue's scratch (if there is one yet) with NaN in fp32, fp16 and
     bf16 alike (0x7FC0 in every half word): a launch that reads rows it did not write
     comes out NaN."""
-    have = _SPLIT_K.get((device, "prologue"))
+    have = _SPLIT_K.get((device, _PROLOGUE_KEY))
     if have is not None:
         have.view(torch.int32).fill_(0x7FC07FC0)
 
