@@ -10,8 +10,9 @@ out=${OUT:-perf/logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-"kernels w1 w2 w3 correctness bench"}
 # Next calls (after H100 calls 88-89, perf/RESULTS.md): on an H200 "w4runs w1awq16" (~5 min: the
-# one-row tiles' read bound there, W1 AWQ in fp16, the goal's figure); anywhere "correctnessawq
-# w5cb correctnessw8a8" (~7 min; correctnessgptq passed in call 89, 2 min); "ncusrc" with
+# one-row tiles' read bound there, W1 AWQ in fp16, the goal's figure); anywhere "kernelsnew
+# correctnessawq w5cb correctnessw8a8" (~8 min: the one-kernel argmax pick's GPU parity after
+# 3343a31, then correctness; correctnessgptq passed in call 89, 2 min); "ncusrc" with
 # NCU_TILES naming the one- and two-piece WORDS tiles (why two pieces run faster), "w4wide" (~2
 # min: the swap-AB pair tiles at 64-8,192 rows); on an H200, "dmon w1pairs" (~5 min: W1 fp8 /
 # int8 with the fp16-pair tiles at 64 registers), "dequant fp8mma" (~4 min: the W8A8 fp8 tiles at
